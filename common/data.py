@@ -1,0 +1,241 @@
+"""Tokenizer, dataset loading, packing and per-rank batches.
+
+Local data (the embedded corpus or json/jsonl/parquet/txt files) is tokenized once by rank 0 into a
+cached `[num_samples, seq_len + 1]` int32 array that every rank memory-maps. Sample k of the run is a
+pure function of (seed, k), and step s uses samples [s*B, (s+1)*B) whatever the world size, so the
+math does not change with the number of ranks and the position can be resumed anywhere.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import sysconfig
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from common.config import ConfigError, DataConfig
+
+PAD = -1  # marks padding inside the cached array; it becomes pad_token_id in inputs and -100 in labels
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
+
+
+def _embedded_documents(max_bytes: int) -> list[str]:
+    """The Python standard library's own sources: always on disk, so the default run needs no download."""
+    root = sysconfig.get_paths()["stdlib"]
+    docs, total = [], 0
+    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+        if "site-packages" in path or "test" in os.path.relpath(path, root).split(os.sep)[0]:
+            continue
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        docs.append(text)
+        total += len(text)
+        if total >= max_bytes:
+            break
+    return docs
+
+
+def _train_embedded_tokenizer(docs: list[str], vocab_size: int, out_dir: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN, PAD_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(docs, trainer)
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN,
+                                     pad_token=PAD_TOKEN)
+    hf_tok.save_pretrained(out_dir)
+
+
+def _cache_key(cfg: DataConfig, extra: str) -> str:
+    fields = {k: getattr(cfg, k) for k in ("dataset", "dataset_config", "split", "text_field", "tokenizer",
+                                           "seq_len", "embedded_max_bytes", "embedded_vocab_size", "pack")}
+    return hashlib.sha256((json.dumps(fields, sort_keys=True) + extra).encode()).hexdigest()[:16]
+
+
+def _local_files(cfg: DataConfig) -> list[str] | None:
+    patterns = cfg.dataset if isinstance(cfg.dataset, list) else [cfg.dataset]
+    files = sorted(f for p in patterns for f in glob.glob(os.path.expanduser(p)))
+    if not files:
+        return None
+    exts = {os.path.splitext(f)[1] for f in files}
+    if len(exts) != 1 or exts.pop() not in LOCAL_FORMATS:
+        raise ConfigError(f"data.dataset {cfg.dataset!r} matches files of types {sorted({os.path.splitext(f)[1] for f in files})}; "
+                          f"use one of {', '.join(LOCAL_FORMATS)}")
+    return files
+
+
+def _file_fingerprint(files: list[str]) -> str:
+    return json.dumps([(f, os.path.getsize(f), int(os.path.getmtime(f))) for f in files])
+
+
+def _embedded_tokenizer_dir(cfg: DataConfig) -> str:
+    name = f"embedded-tokenizer-{cfg.embedded_vocab_size}-{cfg.embedded_max_bytes}"
+    return os.path.join(os.path.expanduser(cfg.cache_dir), name)
+
+
+def load_tokenizer(cfg: DataConfig):
+    from transformers import AutoTokenizer
+
+    if cfg.tokenizer is None:
+        return AutoTokenizer.from_pretrained(_embedded_tokenizer_dir(cfg))
+    try:
+        return AutoTokenizer.from_pretrained(cfg.tokenizer)
+    except OSError as e:
+        raise ConfigError(f"data.tokenizer {cfg.tokenizer!r} could not be loaded ({str(e).splitlines()[0]}); "
+                          f"give a local tokenizer directory or a reachable hub id") from None
+
+
+def _documents(cfg: DataConfig, files: list[str] | None) -> list[str]:
+    if cfg.dataset == "embedded":
+        return _embedded_documents(cfg.embedded_max_bytes)
+    import datasets
+
+    ds = datasets.load_dataset(LOCAL_FORMATS[os.path.splitext(files[0])[1]], data_files=files, split=cfg.split)
+    if cfg.text_field not in ds.column_names:
+        raise ConfigError(f"data.text_field is {cfg.text_field!r} but {cfg.dataset} has columns {ds.column_names}")
+    return ds[cfg.text_field]
+
+
+def _pack(token_lists: list[list[int]], eos_id: int, seq_len: int, pack: bool) -> np.ndarray:
+    """[N, seq_len + 1] rows: concatenated documents with EOS between them, or one padded document per row."""
+    if pack:
+        stream = np.fromiter((t for ids in token_lists for t in (*ids, eos_id)), dtype=np.int32)
+        n = (len(stream) - 1) // seq_len
+        # Rows overlap by one token so every token is a target exactly once.
+        return np.lib.stride_tricks.sliding_window_view(stream, seq_len + 1)[::seq_len][:n].copy()
+    rows = np.full((len(token_lists), seq_len + 1), PAD, dtype=np.int32)
+    for i, ids in enumerate(token_lists):
+        ids = (ids + [eos_id])[: seq_len + 1]
+        rows[i, : len(ids)] = ids
+    return rows
+
+
+def prepare_local_data(cfg: DataConfig, is_main: bool) -> str:
+    """Rank 0 builds (or finds) the tokenizer and the token array in the cache; returns the array's path."""
+    cache_root = os.path.expanduser(cfg.cache_dir)
+    files = None if cfg.dataset == "embedded" else _local_files(cfg)
+    if cfg.dataset != "embedded" and files is None:
+        raise ConfigError(f"data.dataset {cfg.dataset!r} matches no local file; for a hub dataset set "
+                          f"data.streaming=true")
+    key = _cache_key(cfg, _file_fingerprint(files) if files else "")
+    tokens_path = os.path.join(cache_root, f"tokens-{key}.npy")
+    if is_main and not os.path.exists(tokens_path):
+        os.makedirs(cache_root, exist_ok=True)
+        docs = _documents(cfg, files)
+        tok_dir = _embedded_tokenizer_dir(cfg)
+        if cfg.tokenizer is None and not os.path.exists(tok_dir):
+            tmp = f"{tok_dir}.tmp{os.getpid()}"
+            _train_embedded_tokenizer(_embedded_documents(cfg.embedded_max_bytes), cfg.embedded_vocab_size, tmp)
+            os.replace(tmp, tok_dir)
+        tokenizer = load_tokenizer(cfg)
+        ids = tokenizer(docs, add_special_tokens=False)["input_ids"]
+        rows = _pack(ids, tokenizer.eos_token_id, cfg.seq_len, cfg.pack)
+        if len(rows) == 0:
+            raise ConfigError(f"data.dataset {cfg.dataset!r} yields no sample of data.seq_len={cfg.seq_len} tokens")
+        tmp = f"{tokens_path}.tmp{os.getpid()}.npy"
+        np.save(tmp, rows)
+        os.replace(tmp, tokens_path)
+    if dist.is_initialized():
+        dist.barrier()
+    return tokens_path
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [micro_batch, seq_len]
+    labels: torch.Tensor  # [micro_batch, seq_len], -100 where no loss is taken
+    sample_ids: list[int]  # global sample positions, for tests and resumption
+
+
+class LocalBatches:
+    """Deterministic, world-size-independent micro-batches for one data-parallel rank."""
+
+    def __init__(self, tokens_path: str, pad_id: int, seed: int, global_batch: int, micro_batch: int,
+                 dp_rank: int, dp_size: int):
+        self.rows = np.load(tokens_path, mmap_mode="r")
+        self.pad_id, self.seed = pad_id, seed
+        self.global_batch, self.micro_batch = global_batch, micro_batch
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self._epoch, self._perm = -1, None
+
+    def _row(self, position: int) -> np.ndarray:
+        epoch, index = divmod(position, len(self.rows))
+        if epoch != self._epoch:  # reshuffle every pass over the data
+            self._epoch, self._perm = epoch, np.random.default_rng(self.seed + epoch).permutation(len(self.rows))
+        return self.rows[self._perm[index]]
+
+    def micro_batches(self, step: int) -> list[Batch]:
+        """This rank's share of step `step`: global samples [step*B, (step+1)*B), split into micro-batches."""
+        per_rank = self.global_batch // self.dp_size
+        start = step * self.global_batch + self.dp_rank * per_rank
+        out = []
+        for m in range(0, per_rank, self.micro_batch):
+            positions = list(range(start + m, start + m + self.micro_batch))
+            rows = torch.from_numpy(np.stack([self._row(p) for p in positions]).astype(np.int64))
+            inputs = rows[:, :-1].clone()
+            inputs[inputs == PAD] = self.pad_id
+            labels = rows[:, 1:].clone()
+            labels[labels == PAD] = -100
+            out.append(Batch(inputs, labels, positions))
+        return out
+
+
+class StreamingBatches:
+    """A hub dataset streamed and packed on the fly; each rank reads its own part of the stream."""
+
+    def __init__(self, cfg: DataConfig, tokenizer, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int):
+        import datasets
+        from datasets.distributed import split_dataset_by_node
+
+        try:
+            ds = datasets.load_dataset(cfg.dataset, cfg.dataset_config, split=cfg.split, streaming=True)
+        except Exception as e:  # the hub client raises many types; all mean "cannot get this dataset"
+            raise ConfigError(f"data.dataset {cfg.dataset!r} could not be streamed ({str(e).splitlines()[0]}); "
+                              f"check the name and network, or use local files") from None
+        self.stream = iter(split_dataset_by_node(ds, rank=dp_rank, world_size=dp_size))
+        self.tokenizer, self.cfg = tokenizer, cfg
+        self.accum = global_batch // (micro_batch * dp_size)
+        self.micro_batch = micro_batch
+        self.buffer: list[int] = []
+        self.consumed = 0
+
+    def _next_row(self) -> list[int]:
+        need = self.cfg.seq_len + 1
+        while len(self.buffer) < need:
+            text = next(self.stream)[self.cfg.text_field]
+            self.buffer.extend(self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id])
+        row, self.buffer = self.buffer[:need], self.buffer[need - 1:]
+        return row
+
+    def micro_batches(self, step: int) -> list[Batch]:
+        out = []
+        for _ in range(self.accum):
+            rows = torch.tensor([self._next_row() for _ in range(self.micro_batch)])
+            positions = list(range(self.consumed, self.consumed + self.micro_batch))
+            self.consumed += self.micro_batch
+            out.append(Batch(rows[:, :-1].clone(), rows[:, 1:].clone(), positions))
+        return out
+
+
+def build_batches(cfg: DataConfig, seed: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
+                  is_main: bool):
+    """(tokenizer, batches) for a run; batches.micro_batches(step) gives this rank's micro-batches."""
+    if cfg.streaming:
+        tokenizer = load_tokenizer(cfg)
+        return tokenizer, StreamingBatches(cfg, tokenizer, global_batch, micro_batch, dp_rank, dp_size)
+    tokens_path = prepare_local_data(cfg, is_main)
+    tokenizer = load_tokenizer(cfg)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return tokenizer, LocalBatches(tokens_path, pad_id, seed, global_batch, micro_batch, dp_rank, dp_size)

@@ -1,0 +1,135 @@
+"""Throughput, MFU, memory and loss logging to stdout, metrics.jsonl and (if installed) TensorBoard."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+
+# Dense bf16 peak FLOP/s per device, from the vendors' datasheets (no sparsity).
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def flops_per_token(num_params: int, num_embedding_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 * N (N without the input embedding, a lookup) + 12 * L * H * S (attention
+    scores and values, forward + backward). The same formula as PaLM's appendix B and torchtitan."""
+    return 6 * (num_params - num_embedding_params) + 12 * num_layers * hidden * seq_len
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class MetricsLogger:
+    """Rank 0 writes; other ranks hold a logger that does nothing, so call sites need no rank checks."""
+
+    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool):
+        self.enabled = enabled
+        self.file = None
+        self.tb = None
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            except ImportError:
+                pass
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if "step" in record:
+            parts = [f"step {record['step']}"]
+            for key, fmt in (("loss", ".4f"), ("grad_norm", ".3f"), ("lr", ".2e"), ("tokens_per_s", ",.0f"),
+                             ("tokens_per_s_per_device", ",.0f"), ("mfu", ".1%"), ("peak_mem_gib", ".2f"), ("eta_s", ".0f")):
+                if record.get(key) is not None:
+                    parts.append(f"{key} {format(record[key], fmt)}")
+            print(" | ".join(parts), flush=True)
+            if self.tb is not None:
+                for key, value in record.items():
+                    if isinstance(value, (int, float)) and key != "step":
+                        self.tb.add_scalar(key, value, record["step"])
+        else:
+            print(json.dumps(record), flush=True)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+class StepTimer:
+    """Tokens/s, MFU and ETA from wall time between logged steps."""
+
+    def __init__(self, total_steps: int, flops_per_token: float, peak_flops: float | None, world_size: int):
+        self.total_steps, self.flops_per_token = total_steps, flops_per_token
+        self.peak_flops, self.world_size = peak_flops, world_size
+        self.start = self.last = time.perf_counter()
+        self.tokens_since = 0
+
+    def record(self, step: int, tokens: int) -> dict:
+        self.tokens_since += tokens
+        now = time.perf_counter()
+        elapsed, self.last = now - self.last, now
+        tps = self.tokens_since / max(elapsed, 1e-9)
+        self.tokens_since = 0
+        per_device = tps / self.world_size
+        mfu = per_device * self.flops_per_token / self.peak_flops if self.peak_flops else None
+        eta = (now - self.start) / step * (self.total_steps - step)
+        return {"tokens_per_s": tps, "tokens_per_s_per_device": per_device, "mfu": mfu, "eta_s": eta}
+
+
+class CommCounter:
+    """Counts the calls and bytes of FSDP's all-gathers and reduce-scatters by wrapping the c10d functions."""
+
+    def __init__(self):
+        self.counts = {"all_gather": 0, "reduce_scatter": 0}
+        self.bytes = {"all_gather": 0, "reduce_scatter": 0}
+
+    def reset(self) -> dict:
+        snapshot = {f"{k}_calls": v for k, v in self.counts.items()}
+        snapshot.update({f"{k}_bytes": v for k, v in self.bytes.items()})
+        self.counts = dict.fromkeys(self.counts, 0)
+        self.bytes = dict.fromkeys(self.bytes, 0)
+        return snapshot
+
+    @contextlib.contextmanager
+    def patch(self):
+        originals = dist.all_gather_single, dist.reduce_scatter_single
+
+        def all_gather_single(output, input, *args, **kwargs):
+            self.counts["all_gather"] += 1
+            self.bytes["all_gather"] += output.numel() * output.element_size()
+            return originals[0](output, input, *args, **kwargs)
+
+        def reduce_scatter_single(output, input, *args, **kwargs):
+            self.counts["reduce_scatter"] += 1
+            self.bytes["reduce_scatter"] += input.numel() * input.element_size()
+            return originals[1](output, input, *args, **kwargs)
+
+        dist.all_gather_single, dist.reduce_scatter_single = all_gather_single, reduce_scatter_single
+        try:
+            yield self
+        finally:
+            dist.all_gather_single, dist.reduce_scatter_single = originals

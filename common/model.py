@@ -1,0 +1,80 @@
+"""Model construction on `meta` and world-size-independent initialisation of sharded parameters."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig
+
+from common.config import ConfigError, ModelConfig
+
+
+def load_model_config(cfg: ModelConfig) -> PretrainedConfig:
+    if not cfg.name_or_path:
+        try:
+            return LlamaConfig(**cfg.config)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"model.config is not a valid LlamaConfig: {e}") from None
+    try:
+        hf_config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+    except OSError as e:
+        where = "a local directory" if os.path.isabs(cfg.name_or_path) else "a local directory or a reachable hub id"
+        raise ConfigError(f"model.name_or_path {cfg.name_or_path!r} could not be loaded ({str(e).splitlines()[0]}); "
+                          f"give {where} (offline? set HF_HUB_OFFLINE=1 and use a local copy)") from None
+    for key, value in cfg.config.items():  # inline keys override the checkpoint's config (e.g. rope scaling)
+        setattr(hf_config, key, value)
+    return hf_config
+
+
+def build_meta_model(hf_config: PretrainedConfig, cfg: ModelConfig) -> nn.Module:
+    """The model's structure only: no memory is allocated until after sharding."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config, attn_implementation=cfg.attn_implementation,
+                                                trust_remote_code=cfg.trust_remote_code, dtype=torch.float32)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower()
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int, std: float) -> None:
+    """Initialise every (sharded) parameter from its own seeded generator.
+
+    HF's `_init_weights` on DTensors would draw the same numbers on every rank, so the result would
+    depend on the world size. Here each full parameter is drawn from a generator seeded by (seed,
+    parameter name), and each rank keeps its slice: 1, 2 or N ranks give the same model. Only one full
+    parameter exists at a time, never the full model.
+    """
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{param_name}".lstrip(".")
+            local = param.to_local() if isinstance(param, DTensor) else param
+            generator = torch.Generator(device=local.device).manual_seed(seed ^ zlib.crc32(name.encode()))
+            full = torch.empty(param.shape, dtype=torch.float32, device=local.device)
+            if param_name == "bias":
+                full.zero_()
+            elif _is_norm(module):
+                full.fill_(1.0)
+            else:
+                full.normal_(0.0, std, generator=generator)
+                padding_idx = getattr(module, "padding_idx", None)
+                if padding_idx is not None:
+                    full[padding_idx].zero_()
+            if isinstance(param, DTensor):
+                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            local.copy_(full)
+
+
+@torch.no_grad()
+def init_buffers(model: nn.Module, device: torch.device) -> None:
+    """Recompute non-persistent buffers (RoPE `inv_freq`), which `to_empty` leaves as garbage."""
+    for module in model.modules():
+        if hasattr(module, "inv_freq") and hasattr(module, "config"):
+            fresh = type(module)(module.config)
+            for name, buffer in fresh.named_buffers(recurse=False):
+                module.register_buffer(name, buffer.to(device), persistent=False)

@@ -1,0 +1,193 @@
+"""Llama pretraining with FSDP2 (`fully_shard`) or HSDP, from scratch or from a Hugging Face checkpoint.
+
+    python scripts/pretrain_fsdp.py --config configs/debug_llama.json             # one process, CPU or GPU
+    torchrun --nproc_per_node 8 scripts/pretrain_fsdp.py --config configs/llama.json train.steps=100
+
+The story of main(): config -> process group and mesh -> model on `meta` -> fully_shard -> materialise
+and initialise (or load) -> data -> train loop -> export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from common.checkpoint import export_full, export_sharded, load_hf_weights
+from common.config import Config, ConfigError, exit_on_config_error, parse_args, resolve_mixed_precision, to_dict
+from common.data import build_batches, prepare_local_data
+from common.mesh import build_dp_mesh, init_distributed, resolve_dp_sizes
+from common.metrics import CommCounter, MetricsLogger, StepTimer, device_peak_flops, flops_per_token, peak_memory_bytes
+from common.model import build_meta_model, init_buffers, init_weights, load_model_config
+from common.wrap import apply_fsdp, resolve_layer_classes
+
+GIB = 2**30
+
+
+def lr_multiplier(step: int, cfg: Config) -> float:
+    """Linear warmup, then cosine (or warmup-stable-decay) down to min_lr_ratio."""
+    t = cfg.train
+    if step < t.warmup_steps:
+        return (step + 1) / t.warmup_steps
+    if t.lr_schedule == "wsd":
+        decay_start = int(t.steps * (1 - t.wsd_decay_ratio))
+        if step < decay_start:
+            return 1.0
+        progress = (step - decay_start) / max(1, t.steps - decay_start)
+        return 1.0 - (1.0 - t.min_lr_ratio) * progress
+    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+    return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
+    # No weight decay on norms and biases (1-D), as in Llama and torchtitan.
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    fused = device.type == "cuda" and not cfg.fsdp.cpu_offload
+    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=tuple(cfg.train.betas), eps=cfg.train.eps,
+                             fused=fused or None, foreach=None if fused else True)
+
+
+def token_loss_sum(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=input_ids).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+
+
+def train_step(model, optimizer, micro_batches, device, max_grad_norm: float) -> tuple[float, float, int]:
+    """One optimizer step over this rank's micro-batches; returns (mean token loss, grad norm, tokens).
+
+    The loss is divided by the number of target tokens summed over all ranks and micro-batches, and FSDP
+    sums gradients (see apply_fsdp), so N ranks x k micro-batches give exactly the one-process update,
+    with or without padding.
+    """
+    local_tokens = sum(int((b.labels != -100).sum()) for b in micro_batches)
+    global_tokens = torch.tensor(local_tokens, device=device, dtype=torch.float64)
+    dist.all_reduce(global_tokens)
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    for batch in micro_batches:
+        loss = token_loss_sum(model, batch.input_ids.to(device), batch.labels.to(device))
+        (loss / global_tokens.float()).backward()
+        loss_sum += loss.detach()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    dist.all_reduce(loss_sum)
+    return (loss_sum / global_tokens).item(), grad_norm.item(), int(global_tokens.item())
+
+
+@torch.no_grad()
+def fixed_batch_loss(model, rows: torch.Tensor, device) -> float:
+    """Mean token loss on a fixed batch (the first rows of the data), to check exports against."""
+    loss = token_loss_sum(model, rows[:, :-1].to(device), rows[:, 1:].to(device))
+    return (loss / rows[:, 1:].numel()).item()
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args(argv, description=__doc__)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    dp_replicate, dp_shard = resolve_dp_sizes(cfg.parallelism, world_size)
+    t = cfg.train
+    if t.global_batch_size % (t.micro_batch_size * world_size):
+        raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) is not a multiple of micro_batch_size "
+                          f"({t.micro_batch_size}) x data-parallel size ({world_size}); make it a multiple of "
+                          f"{t.micro_batch_size * world_size}")
+    hf_config = load_model_config(cfg.model)
+    hf_config.use_cache = False
+    model = build_meta_model(hf_config, cfg.model)  # no memory yet: every tensor is on `meta`
+    resolve_layer_classes(model, cfg.fsdp)  # fail on a bad class name before any process group exists
+
+    # Process group and mesh: 1-D FSDP, or 2-D (dp_replicate, dp_shard) HSDP.
+    d = init_distributed(t.device, cfg.parallelism.timeout_minutes)
+    mesh = build_dp_mesh(d.device.type, dp_replicate, dp_shard)
+    torch.manual_seed(t.seed)
+    run_dir = cfg.checkpoint.dir
+    logger = MetricsLogger(run_dir, d.is_main, cfg.metrics.tensorboard)
+
+    # Shard first, then allocate: no rank ever holds the full fp32 model.
+    if t.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    num_units = apply_fsdp(model, mesh, cfg.fsdp, d.device.type, compile_layers=t.compile)
+    param_device = torch.device("cpu") if cfg.fsdp.cpu_offload else d.device
+    model.to_empty(device=param_device)
+    init_buffers(model, d.device)
+    if cfg.model.name_or_path:
+        load_hf_weights(model, cfg.model.name_or_path, broadcast_from_rank0=cfg.fsdp.cpu_ram_efficient_loading,
+                        trust_remote_code=cfg.model.trust_remote_code)
+    else:
+        init_weights(model, t.seed, hf_config.initializer_range)
+    model.train()
+    load_peaks = [None] * d.world_size
+    dist.all_gather_object(load_peaks, peak_memory_bytes(d.device) / GIB)
+
+    tokenizer, data = build_batches(cfg.data, t.seed, t.global_batch_size, t.micro_batch_size,
+                                    dp_rank=d.rank, dp_size=d.world_size, is_main=d.is_main)
+    if len(tokenizer) > hf_config.vocab_size:
+        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but model vocab_size is {hf_config.vocab_size}; "
+                          f"set model.config.vocab_size >= {len(tokenizer)}")
+    optimizer = build_optimizer(model, cfg, d.device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
+
+    num_params = sum(p.numel() for p in model.parameters())
+    num_embed = model.get_input_embeddings().weight.numel()
+    timer = StepTimer(t.steps, flops_per_token(num_params, num_embed, hf_config.num_hidden_layers,
+                                               hf_config.hidden_size, cfg.data.seq_len),
+                      device_peak_flops(d.device), d.world_size)
+    if d.is_main:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "run_config.json"), "w") as f:
+            json.dump(to_dict(cfg), f, indent=2)
+    logger.log({"event": "model_ready", "params": num_params, "fsdp_units": num_units, "world_size": d.world_size,
+                "mesh": list(mesh.shape), "device": str(d.device),
+                "mixed_precision": resolve_mixed_precision(cfg.fsdp, d.device.type),
+                "peak_mem_after_load_gib_per_rank": load_peaks,
+                "data": None if cfg.data.streaming else prepare_local_data(cfg.data, is_main=False)})
+
+    comm = CommCounter()
+    with comm.patch() if cfg.metrics.comm_stats else contextlib.nullcontext():
+        for step in range(t.steps):
+            loss, grad_norm, tokens = train_step(model, optimizer, data.micro_batches(step), d.device, t.max_grad_norm)
+            if not math.isfinite(loss):
+                raise SystemExit(f"loss is {loss} at step {step + 1}; stopping without writing anything "
+                                 f"(try a lower train.lr or train.max_grad_norm)")
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            if (step + 1) % cfg.metrics.log_every == 0 or step + 1 == t.steps:
+                record = {"step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
+                          "samples": (step + 1) * t.global_batch_size, **timer.record(step + 1, tokens),
+                          "peak_mem_gib": peak_memory_bytes(d.device) / GIB}
+                if cfg.metrics.comm_stats:
+                    record.update(comm.reset())
+                logger.log(record)
+            else:
+                timer.tokens_since += tokens
+
+    if not cfg.data.streaming:
+        rows = torch.from_numpy(data.rows[: t.micro_batch_size].astype("int64"))
+        logger.log({"event": "final", "fixed_batch_loss": fixed_batch_loss(model, rows, d.device)})
+    if cfg.checkpoint.export:
+        export_dir = os.path.join(run_dir, "export")
+        if cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
+            dtype = getattr(torch, resolve_mixed_precision(cfg.fsdp, d.device.type)["param_dtype"])
+            export_full(model, export_dir, tokenizer, dtype)
+        else:
+            export_sharded(model, export_dir, tokenizer)
+        logger.log({"event": "exported", "path": export_dir, "state_dict_type": cfg.fsdp.state_dict_type})
+    logger.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ConfigError as error:
+        exit_on_config_error(error)

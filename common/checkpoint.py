@@ -79,6 +79,10 @@ def export_sharded(model: nn.Module, out_dir: str, tokenizer) -> None:
     dist.barrier()
 
 
+def is_sharded_export(path: str) -> bool:
+    return os.path.exists(os.path.join(path, ".metadata"))
+
+
 def load_sharded_export(model: nn.Module, path: str) -> None:
     """Load a SHARDED_STATE_DICT export into an FSDP model of any world size (DCP reshards)."""
     state = {"model": get_model_state_dict(model)}

@@ -48,7 +48,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 100
+    steps: int = 100  # 0: load (or init), evaluate the fixed batch and export, e.g. to convert SHARDED to FULL
     global_batch_size: int = 16  # sequences per optimizer step, whatever the world size
     micro_batch_size: int = 4  # sequences per rank per forward/backward
     lr: float = 3e-4
@@ -332,7 +332,10 @@ def _check_type(section: str, key: str, value: Any, kind: type | tuple, fix: str
 def validate(cfg: Config, world_size: int) -> None:
     """Everything that can be checked before touching a model or a GPU; identical on every rank."""
     t, f, p, d, c = cfg.train, cfg.fsdp, cfg.parallelism, cfg.data, cfg.checkpoint
-    for key in ("steps", "global_batch_size", "micro_batch_size"):
+    _check_type("train", "steps", t.steps, int, "it must be an integer >= 0 (0: load, evaluate and export)")
+    if t.steps < 0:
+        raise ConfigError(f"train.steps is {t.steps}; it must be >= 0 (0: load, evaluate and export)")
+    for key in ("global_batch_size", "micro_batch_size"):
         _check_type("train", key, getattr(t, key), int, "it must be a positive integer")
         if getattr(t, key) <= 0:
             raise ConfigError(f"train.{key} is {getattr(t, key)}; it must be a positive integer")
@@ -341,8 +344,8 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"train.lr is {t.lr}; it must be > 0")
     if t.lr_schedule not in ("cosine", "wsd"):
         raise ConfigError(f"train.lr_schedule is {t.lr_schedule!r}; use 'cosine' or 'wsd'")
-    if t.warmup_steps < 0 or t.warmup_steps > t.steps:
-        raise ConfigError(f"train.warmup_steps is {t.warmup_steps}; it must be between 0 and train.steps ({t.steps})")
+    if t.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps is {t.warmup_steps}; it must be >= 0")
     if t.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"train.device is {t.device!r}; use auto, cpu or cuda")
     if not isinstance(t.betas, list) or len(t.betas) != 2:

@@ -183,13 +183,20 @@ class LocalBatches:
         out = []
         for m in range(0, per_rank, self.micro_batch):
             positions = list(range(start + m, start + m + self.micro_batch))
-            rows = torch.from_numpy(np.stack([self._row(p) for p in positions]).astype(np.int64))
-            inputs = rows[:, :-1].clone()
-            inputs[inputs == PAD] = self.pad_id
-            labels = rows[:, 1:].clone()
-            labels[labels == PAD] = -100
-            out.append(Batch(inputs, labels, positions))
+            out.append(self._batch(np.stack([self._row(p) for p in positions]), positions))
         return out
+
+    def fixed_batch(self, size: int) -> Batch:
+        """The first `size` rows of the data, unshuffled: a batch anyone can rebuild to check a model."""
+        return self._batch(np.asarray(self.rows[:size]), [])
+
+    def _batch(self, rows: np.ndarray, positions: list[int]) -> Batch:
+        rows = torch.from_numpy(rows.astype(np.int64))
+        inputs = rows[:, :-1].clone()
+        inputs[inputs == PAD] = self.pad_id
+        labels = rows[:, 1:].clone()
+        labels[labels == PAD] = -100
+        return Batch(inputs, labels, positions)
 
 
 class StreamingBatches:

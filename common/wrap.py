@@ -68,9 +68,9 @@ def plan_units(model: nn.Module, fsdp: FsdpConfig, layer_classes: set[str]) -> l
         if embed is not None and embed not in tied:
             units.append([embed])
         final_norm = getattr(getattr(model, model.base_model_prefix, model), "norm", None)
-        tail = [m for m in (final_norm, head) if m is not None and m not in tied]
-        if tail:
-            units.append(tail)  # norm and lm_head run back to back: one all-gather for both
+        if head is not None and head not in tied:
+            # norm and lm_head run back to back: one all-gather for both. A tied head stays with the root.
+            units.append([m for m in (final_norm, head) if m is not None])
         return units
     # SIZE_BASED_WRAP: bottom-up, wrap a module once its not-yet-wrapped parameters reach the threshold.
     # Containers are skipped because fully_shard cannot hook a ModuleList/ModuleDict's forward.

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common.checkpoint import export_full, export_sharded, load_hf_weights
+from common.checkpoint import export_full, export_sharded, is_sharded_export, load_hf_weights, load_sharded_export
 from common.config import Config, ConfigError, exit_on_config_error, parse_args, resolve_mixed_precision, to_dict
 from common.data import build_batches, prepare_local_data
 from common.mesh import build_dp_mesh, init_distributed, resolve_dp_sizes
@@ -86,10 +86,10 @@ def train_step(model, optimizer, micro_batches, device, max_grad_norm: float) ->
 
 
 @torch.no_grad()
-def fixed_batch_loss(model, rows: torch.Tensor, device) -> float:
+def fixed_batch_loss(model, batch, device) -> float:
     """Mean token loss on a fixed batch (the first rows of the data), to check exports against."""
-    loss = token_loss_sum(model, rows[:, :-1].to(device), rows[:, 1:].to(device))
-    return (loss / rows[:, 1:].numel()).item()
+    loss = token_loss_sum(model, batch.input_ids.to(device), batch.labels.to(device))
+    return (loss / (batch.labels != -100).sum()).item()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -120,7 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     param_device = torch.device("cpu") if cfg.fsdp.cpu_offload else d.device
     model.to_empty(device=param_device)
     init_buffers(model, d.device)
-    if cfg.model.name_or_path:
+    if cfg.model.name_or_path and is_sharded_export(cfg.model.name_or_path):
+        load_sharded_export(model, cfg.model.name_or_path)  # DCP reshards to this world size
+    elif cfg.model.name_or_path:
         load_hf_weights(model, cfg.model.name_or_path, broadcast_from_rank0=cfg.fsdp.cpu_ram_efficient_loading,
                         trust_remote_code=cfg.model.trust_remote_code)
     else:
@@ -172,8 +174,8 @@ def main(argv: list[str] | None = None) -> None:
                 timer.tokens_since += tokens
 
     if not cfg.data.streaming:
-        rows = torch.from_numpy(data.rows[: t.micro_batch_size].astype("int64"))
-        logger.log({"event": "final", "fixed_batch_loss": fixed_batch_loss(model, rows, d.device)})
+        fixed = data.fixed_batch(t.micro_batch_size)
+        logger.log({"event": "final", "fixed_batch_loss": fixed_batch_loss(model, fixed, d.device)})
     if cfg.checkpoint.export:
         export_dir = os.path.join(run_dir, "export")
         if cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
@@ -186,8 +188,12 @@ def main(argv: list[str] | None = None) -> None:
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+def cli(argv: list[str] | None = None) -> None:
     try:
-        main()
+        main(argv)
     except ConfigError as error:
         exit_on_config_error(error)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,52 @@
+"""Run the real scripts as subprocesses (python or torchrun) with a timeout, and read what they wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(REPO, "configs", "debug_tiny.json")
+
+
+def env(**extra: str) -> dict:
+    out = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               OMP_NUM_THREADS="1")
+    out.update(extra)
+    return out
+
+
+def run(script: str, args: list[str], nproc: int = 1, timeout: int = 300, check: bool = True,
+        extra_env: dict | None = None, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    """nproc == 0 runs plain `python`; otherwise `torchrun --standalone --nproc_per_node nproc`."""
+    path = os.path.join(REPO, "scripts", script)
+    if launcher is not None:
+        cmd = [*launcher, path, *args]
+    elif nproc == 0:
+        cmd = [sys.executable, path, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", path, *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(**(extra_env or {})), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def pretrain(run_dir, *overrides: str, nproc: int = 2, config: str = TINY, **kwargs) -> list[dict]:
+    run("pretrain_fsdp.py", ["--config", config, f"checkpoint.dir={run_dir}", *overrides], nproc=nproc, **kwargs)
+    return read_metrics(run_dir)
+
+
+def read_metrics(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def losses(records: list[dict]) -> list[float]:
+    return [r["loss"] for r in records if "step" in r]
+
+
+def event(records: list[dict], name: str) -> dict:
+    return next(r for r in records if r.get("event") == name)

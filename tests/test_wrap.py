@@ -1,0 +1,111 @@
+"""Wrap policies, offload and mixed precision applied to a real model in a one-rank gloo group."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from transformers import LlamaConfig
+
+from common.config import ConfigError, FsdpConfig, ModelConfig
+from common.mesh import build_dp_mesh
+from common.model import build_meta_model
+from common.wrap import apply_fsdp
+
+LAYERS = 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def tiny_llama(tie: bool = False) -> nn.Module:
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
+    return build_meta_model(config, ModelConfig())
+
+
+def shard(model: nn.Module, **fsdp_keys) -> nn.Module:
+    apply_fsdp(model, build_dp_mesh("cpu", 1, 1), FsdpConfig(**fsdp_keys), "cpu")
+    return model
+
+
+def units(model: nn.Module) -> list[list[str]]:
+    """FSDP units as lists of module names; modules sharded together share one state."""
+    groups: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            groups.setdefault(id(module._get_fsdp_state()), []).append(name or "<root>")
+    return list(groups.values())
+
+
+def test_transformer_based_wrap_gives_layers_embedding_norm_head_and_root():
+    found = units(shard(tiny_llama(), auto_wrap_policy="TRANSFORMER_BASED_WRAP"))
+    assert sorted(found) == sorted(
+        [[f"model.layers.{i}"] for i in range(LAYERS)]
+        + [["model.embed_tokens"], ["model.norm", "lm_head"], ["<root>"]]
+    )
+
+
+def test_empty_layer_list_means_no_split_modules_and_explicit_list_is_used():
+    default = units(shard(tiny_llama(), transformer_layer_cls_to_wrap=[]))
+    explicit = units(shard(tiny_llama(), transformer_layer_cls_to_wrap=["LlamaMLP"]))
+    assert [f"model.layers.0"] in default
+    assert [f"model.layers.0.mlp"] in explicit and [f"model.layers.0"] not in explicit
+
+
+def test_tied_embeddings_stay_in_one_unit():
+    model = shard(tiny_llama(tie=True))
+    found = units(model)
+    root = next(u for u in found if "<root>" in u)
+    assert ["model.embed_tokens"] not in found and ["model.norm", "lm_head"] not in found
+    assert root == ["<root>"] and len(found) == LAYERS + 1
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_size_based_wrap_respects_min_num_params_and_never_wraps_a_module_list():
+    model = tiny_llama()
+    layer_params = sum(p.numel() for p in model.model.layers[0].parameters())
+    mlp_params = sum(p.numel() for p in model.model.layers[0].mlp.parameters())
+    # Threshold above an MLP but below a layer: each layer is wrapped, its children are not.
+    found = units(shard(tiny_llama(), auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=mlp_params + 1))
+    names = {n for unit in found for n in unit}
+    assert {f"model.layers.{i}" for i in range(LAYERS)} <= names
+    assert "model.layers" not in names and not any(".mlp" in n for n in names)
+    assert layer_params >= mlp_params + 1
+    # Smaller threshold: MLPs become units first; a ModuleList is never one even when it qualifies.
+    small = units(shard(tiny_llama(), auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=mlp_params))
+    small_names = {n for unit in small for n in unit}
+    assert "model.layers.0.mlp" in small_names and "model.layers" not in small_names
+
+
+def test_no_wrap_is_exactly_one_unit():
+    assert units(shard(tiny_llama(), auto_wrap_policy="NO_WRAP")) == [["<root>"]]
+
+
+def test_unknown_layer_class_lists_the_model_classes():
+    with pytest.raises(ConfigError, match=r"LlamaDecoderLayr.*LlamaAttention.*LlamaDecoderLayer"):
+        shard(tiny_llama(), transformer_layer_cls_to_wrap=["LlamaDecoderLayr"])
+
+
+def test_cpu_offload_and_mixed_precision_reach_every_parameter():
+    model = shard(tiny_llama(), cpu_offload=True, mixed_precision={"param_dtype": "bfloat16", "reduce_dtype": "float32"})
+    model.to_empty(device="cpu")
+    fsdp_params = list({id(fp): fp for m in model.modules() if isinstance(m, FSDPModule)
+                        for group in m._get_fsdp_state()._fsdp_param_groups for fp in group.fsdp_params}.values())
+    assert len(fsdp_params) == len(list(model.parameters()))
+    for fsdp_param in fsdp_params:
+        assert fsdp_param.offload_to_cpu
+        policy = fsdp_param.mp_policy
+        assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_activation_checkpointing_wraps_each_layer_before_sharding():
+    model = shard(tiny_llama(), activation_checkpointing=True)
+    wrapped = [n for n, m in model.named_modules() if type(m).__name__ == "CheckpointWrapper"]
+    assert wrapped == [f"model.layers.{i}" for i in range(LAYERS)]
+    assert all(isinstance(model.model.layers[i], FSDPModule) for i in range(LAYERS))

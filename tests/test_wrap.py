@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.fsdp import FSDPModule
 from transformers import LlamaConfig
 
@@ -106,6 +107,6 @@ def test_cpu_offload_and_mixed_precision_reach_every_parameter():
 
 def test_activation_checkpointing_wraps_each_layer_before_sharding():
     model = shard(tiny_llama(), activation_checkpointing=True)
-    wrapped = [n for n, m in model.named_modules() if type(m).__name__ == "CheckpointWrapper"]
+    wrapped = [n for n, m in model.named_modules() if isinstance(m, CheckpointWrapper)]
     assert wrapped == [f"model.layers.{i}" for i in range(LAYERS)]
     assert all(isinstance(model.model.layers[i], FSDPModule) for i in range(LAYERS))

@@ -7,6 +7,7 @@ import zlib
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
@@ -52,7 +53,8 @@ def init_weights(model: nn.Module, seed: int, std: float) -> None:
     """
     for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
-            name = f"{module_name}.{param_name}".lstrip(".")
+            # The checkpoint-format name, without AC/compile wrapper prefixes, so AC does not change the init.
+            name = f"{module_name}.{param_name}".lstrip(".").replace(_CHECKPOINT_PREFIX, "").replace("_orig_mod.", "")
             local = param.to_local() if isinstance(param, DTensor) else param
             generator = torch.Generator(device=local.device).manual_seed(seed ^ zlib.crc32(name.encode()))
             full = torch.empty(param.shape, dtype=torch.float32, device=local.device)

@@ -63,7 +63,9 @@ def plan_units(model: nn.Module, fsdp: FsdpConfig, layer_classes: set[str]) -> l
     if fsdp.auto_wrap_policy == "NO_WRAP":
         return []
     if fsdp.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
-        units = [[m] for m in model.modules() if _layer_name(m) in layer_classes]
+        # With activation checkpointing the unit is the CheckpointWrapper, never the layer inside it.
+        inside_wrappers = {m._checkpoint_wrapped_module for m in model.modules() if hasattr(m, "_checkpoint_wrapped_module")}
+        units = [[m] for m in model.modules() if _layer_name(m) in layer_classes and m not in inside_wrappers]
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
         if embed is not None and embed not in tied:
             units.append([embed])

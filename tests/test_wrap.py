@@ -110,3 +110,4 @@ def test_activation_checkpointing_wraps_each_layer_before_sharding():
     wrapped = [n for n, m in model.named_modules() if isinstance(m, CheckpointWrapper)]
     assert wrapped == [f"model.layers.{i}" for i in range(LAYERS)]
     assert all(isinstance(model.model.layers[i], FSDPModule) for i in range(LAYERS))
+    assert len(units(model)) == LAYERS + 3  # the wrapper is the unit, not also the layer inside it

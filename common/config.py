@@ -384,6 +384,9 @@ def validate(cfg: Config, world_size: int) -> None:
     if f.activation_checkpointing and t.gradient_checkpointing:
         raise ConfigError("fsdp.activation_checkpointing and train.gradient_checkpointing are both true; "
                           "keep fsdp.activation_checkpointing and set train.gradient_checkpointing=false")
+    if cfg.model.name_or_path and cfg.model.config:
+        raise ConfigError(f"model.name_or_path ({cfg.model.name_or_path}) and model.config are both set; the "
+                          f"checkpoint's config.json defines the model, so set model.config={{}}")
     if f.cpu_ram_efficient_loading and not cfg.model.name_or_path:
         raise ConfigError("fsdp.cpu_ram_efficient_loading is true but model.name_or_path is empty; it only "
                           "applies when loading a checkpoint, so set model.name_or_path or turn it off")

@@ -26,8 +26,6 @@ def load_model_config(cfg: ModelConfig) -> PretrainedConfig:
         where = "a local directory" if os.path.isabs(cfg.name_or_path) else "a local directory or a reachable hub id"
         raise ConfigError(f"model.name_or_path {cfg.name_or_path!r} could not be loaded ({str(e).splitlines()[0]}); "
                           f"give {where} (offline? set HF_HUB_OFFLINE=1 and use a local copy)") from None
-    for key, value in cfg.config.items():  # inline keys override the checkpoint's config (e.g. rope scaling)
-        setattr(hf_config, key, value)
     return hf_config
 
 

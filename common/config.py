@@ -388,8 +388,9 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"model.name_or_path ({cfg.model.name_or_path}) and model.config are both set; the "
                           f"checkpoint's config.json defines the model, so set model.config={{}}")
     if f.cpu_ram_efficient_loading and not cfg.model.name_or_path:
-        raise ConfigError("fsdp.cpu_ram_efficient_loading is true but model.name_or_path is empty; it only "
-                          "applies when loading a checkpoint, so set model.name_or_path or turn it off")
+        # Accepted so the Transformers docs' fsdp_config works as is: from scratch nothing is read from disk
+        # and no rank ever materialises the full model anyway.
+        warnings.warn("fsdp.cpu_ram_efficient_loading has no effect without model.name_or_path")
 
     for key in ("dp_replicate_size", "dp_shard_size", "fsdp_size", "ep_size", "tp_size", "cp_size", "sp_size"):
         value = getattr(p, key)

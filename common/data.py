@@ -164,6 +164,7 @@ class LocalBatches:
 
     def __init__(self, tokens_path: str, pad_id: int, seed: int, global_batch: int, micro_batch: int,
                  dp_rank: int, dp_size: int):
+        self.tokens_path = tokens_path
         self.rows = np.load(tokens_path, mmap_mode="r")
         self.pad_id, self.seed = pad_id, seed
         self.global_batch, self.micro_batch = global_batch, micro_batch

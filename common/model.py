@@ -22,7 +22,7 @@ def load_model_config(cfg: ModelConfig) -> PretrainedConfig:
             raise ConfigError(f"model.config is not a valid LlamaConfig: {e}") from None
     try:
         hf_config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
-    except OSError as e:
+    except (OSError, ValueError) as e:
         where = "a local directory" if os.path.isabs(cfg.name_or_path) else "a local directory or a reachable hub id"
         raise ConfigError(f"model.name_or_path {cfg.name_or_path!r} could not be loaded ({str(e).splitlines()[0]}); "
                           f"give {where} (offline? set HF_HUB_OFFLINE=1 and use a local copy)") from None

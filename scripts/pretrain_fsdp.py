@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from common.checkpoint import export_full, export_sharded, is_sharded_export, load_hf_weights, load_sharded_export
 from common.config import Config, ConfigError, exit_on_config_error, parse_args, resolve_mixed_precision, to_dict
-from common.data import build_batches, prepare_local_data
+from common.data import build_batches
 from common.mesh import build_dp_mesh, init_distributed, resolve_dp_sizes
 from common.metrics import CommCounter, MetricsLogger, StepTimer, device_peak_flops, flops_per_token, peak_memory_bytes
 from common.model import build_meta_model, init_buffers, init_weights, load_model_config
@@ -110,8 +110,13 @@ def main(argv: list[str] | None = None) -> None:
     d = init_distributed(t.device, cfg.parallelism.timeout_minutes)
     mesh = build_dp_mesh(d.device.type, dp_replicate, dp_shard)
     torch.manual_seed(t.seed)
-    run_dir = cfg.checkpoint.dir
-    logger = MetricsLogger(run_dir, d.is_main, cfg.metrics.tensorboard)
+
+    # Data before the model, so a missing dataset or tokenizer fails before any memory is allocated.
+    tokenizer, data = build_batches(cfg.data, t.seed, t.global_batch_size, t.micro_batch_size,
+                                    dp_rank=d.rank, dp_size=d.world_size, is_main=d.is_main)
+    if len(tokenizer) > hf_config.vocab_size:
+        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but model vocab_size is {hf_config.vocab_size}; "
+                          f"set model.config.vocab_size >= {len(tokenizer)}")
 
     # Shard first, then allocate: no rank ever holds the full fp32 model.
     if t.gradient_checkpointing:
@@ -130,12 +135,6 @@ def main(argv: list[str] | None = None) -> None:
     model.train()
     load_peaks = [None] * d.world_size
     dist.all_gather_object(load_peaks, peak_memory_bytes(d.device) / GIB)
-
-    tokenizer, data = build_batches(cfg.data, t.seed, t.global_batch_size, t.micro_batch_size,
-                                    dp_rank=d.rank, dp_size=d.world_size, is_main=d.is_main)
-    if len(tokenizer) > hf_config.vocab_size:
-        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but model vocab_size is {hf_config.vocab_size}; "
-                          f"set model.config.vocab_size >= {len(tokenizer)}")
     optimizer = build_optimizer(model, cfg, d.device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
 
@@ -144,15 +143,18 @@ def main(argv: list[str] | None = None) -> None:
     timer = StepTimer(t.steps, flops_per_token(num_params, num_embed, hf_config.num_hidden_layers,
                                                hf_config.hidden_size, cfg.data.seq_len),
                       device_peak_flops(d.device), d.world_size)
+    run_dir = cfg.checkpoint.dir
+    logger = MetricsLogger(run_dir, d.is_main, cfg.metrics.tensorboard)
     if d.is_main:
-        os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "run_config.json"), "w") as f:
             json.dump(to_dict(cfg), f, indent=2)
+    compiled = sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
     logger.log({"event": "model_ready", "params": num_params, "fsdp_units": num_units, "world_size": d.world_size,
+                "compiled_layers": compiled,
                 "mesh": list(mesh.shape), "device": str(d.device),
                 "mixed_precision": resolve_mixed_precision(cfg.fsdp, d.device.type),
                 "peak_mem_after_load_gib_per_rank": load_peaks,
-                "data": None if cfg.data.streaming else prepare_local_data(cfg.data, is_main=False)})
+                "data": getattr(data, "tokens_path", None)})
 
     comm = CommCounter()
     with comm.patch() if cfg.metrics.comm_stats else contextlib.nullcontext():

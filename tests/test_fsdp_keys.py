@@ -57,3 +57,12 @@ def test_bf16_params_with_fp32_reduce_run_on_cpu(tmp_path):
     assert losses(bf16) != losses(fp32)  # the policy really changed the compute dtype
     assert losses(bf16) == pytest.approx(losses(fp32), abs=0.05)
     assert losses(bf16)[-1] < losses(bf16)[0] - 0.3
+
+
+@pytest.mark.slow
+def test_per_layer_compile_matches_eager(tmp_path):
+    eager = pretrain(tmp_path / "eager", *STEP, nproc=0)
+    compiled = pretrain(tmp_path / "compiled", *STEP, "train.compile=true", nproc=0, timeout=600)
+    assert event(compiled, "model_ready")["compiled_layers"] == 2  # debug_tiny has 2 decoder layers
+    assert event(eager, "model_ready")["compiled_layers"] == 0
+    assert losses(compiled) == pytest.approx(losses(eager), abs=1e-5)

@@ -322,21 +322,20 @@ def apply_override(cfg: Config, item: str) -> None:
         obj = getattr(obj, name)
 
 
-def _check_type(section: str, key: str, value: Any, kind: type | tuple, fix: str) -> None:
-    # bool is an int in Python; a flag given as 1 or a size given as true is almost always a typo.
-    ok = isinstance(value, kind) and not (isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)))
-    if not ok:
+def _check_type(section: str, key: str, value: Any, kinds: tuple, fix: str) -> None:
+    # bool is an int in Python, but a size given as `true` is a typo: accept bools only where listed.
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         raise ConfigError(f"{section}.{key} is {value!r}; {fix}")
 
 
-def validate(cfg: Config, world_size: int) -> None:
+def validate(cfg: Config) -> None:
     """Everything that can be checked before touching a model or a GPU; identical on every rank."""
     t, f, p, d, c = cfg.train, cfg.fsdp, cfg.parallelism, cfg.data, cfg.checkpoint
-    _check_type("train", "steps", t.steps, int, "it must be an integer >= 0 (0: load, evaluate and export)")
+    _check_type("train", "steps", t.steps, (int,), "it must be an integer >= 0 (0: load, evaluate and export)")
     if t.steps < 0:
         raise ConfigError(f"train.steps is {t.steps}; it must be >= 0 (0: load, evaluate and export)")
     for key in ("global_batch_size", "micro_batch_size"):
-        _check_type("train", key, getattr(t, key), int, "it must be a positive integer")
+        _check_type("train", key, getattr(t, key), (int,), "it must be a positive integer")
         if getattr(t, key) <= 0:
             raise ConfigError(f"train.{key} is {getattr(t, key)}; it must be a positive integer")
     _check_type("train", "lr", t.lr, (int, float), "it must be a number such as 3e-4")
@@ -350,13 +349,11 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"train.device is {t.device!r}; use auto, cpu or cuda")
     if not isinstance(t.betas, list) or len(t.betas) != 2:
         raise ConfigError(f"train.betas is {t.betas!r}; give two numbers, e.g. [0.9, 0.95]")
-    _check_type("data", "seq_len", d.seq_len, int, "it must be a positive integer")
-    if d.streaming and d.tokenizer is None:
-        raise ConfigError("data.streaming is true but data.tokenizer is empty; name the tokenizer that matches the model")
+    _check_type("data", "seq_len", d.seq_len, (int,), "it must be a positive integer")
     if d.seq_len < 2:
         raise ConfigError(f"data.seq_len is {d.seq_len}; it must be at least 2")
 
-    _check_type("fsdp", "version", f.version, int, "set it to 2")
+    _check_type("fsdp", "version", f.version, (int,), "set it to 2")
     if f.version != 2:
         raise ConfigError(f"fsdp.version is {f.version}; FSDP1 is not supported, set it to 2 (fully_shard)")
     _check_type("fsdp", "reshard_after_forward", f.reshard_after_forward, (bool, int),
@@ -364,14 +361,14 @@ def validate(cfg: Config, world_size: int) -> None:
     if not isinstance(f.reshard_after_forward, bool) and f.reshard_after_forward < 1:
         raise ConfigError(f"fsdp.reshard_after_forward is {f.reshard_after_forward}; an int must be >= 1")
     for key in ("cpu_offload", "cpu_ram_efficient_loading", "activation_checkpointing", "xla"):
-        _check_type("fsdp", key, getattr(f, key), bool, "use true or false")
+        _check_type("fsdp", key, getattr(f, key), (bool,), "use true or false")
     if f.auto_wrap_policy not in WRAP_POLICIES:
         raise ConfigError(f"fsdp.auto_wrap_policy is {f.auto_wrap_policy!r}; use one of {', '.join(WRAP_POLICIES)}"
                           f"{_did_you_mean(str(f.auto_wrap_policy), WRAP_POLICIES)}")
     if f.auto_wrap_policy == "SIZE_BASED_WRAP":
         if f.min_num_params is None:
             f.min_num_params = 100_000_000  # Accelerate's default
-        _check_type("fsdp", "min_num_params", f.min_num_params, int, "it must be a positive integer")
+        _check_type("fsdp", "min_num_params", f.min_num_params, (int,), "it must be a positive integer")
         if f.min_num_params <= 0:
             raise ConfigError(f"fsdp.min_num_params is {f.min_num_params}; SIZE_BASED_WRAP needs a positive "
                               f"threshold (e.g. 1000000), or use NO_WRAP for a single unit")
@@ -394,7 +391,7 @@ def validate(cfg: Config, world_size: int) -> None:
 
     for key in ("dp_replicate_size", "dp_shard_size", "fsdp_size", "ep_size", "tp_size", "cp_size", "sp_size"):
         value = getattr(p, key)
-        _check_type("parallelism", key, value, int, "it must be a positive integer (or -1 for the rest)")
+        _check_type("parallelism", key, value, (int,), "it must be a positive integer (or -1 for the rest)")
         if value == 0 or value < -1:
             raise ConfigError(f"parallelism.{key} is {value}; it must be a positive integer (or -1 for the rest)")
     if p.cp_size > 1 and p.sp_size > 1:
@@ -453,7 +450,7 @@ def load_config(path: str, overrides: list[str] = (), fsdp_config: str | None = 
     _fill(cfg.fsdp, _merge_fsdp_sources(sources), "fsdp.")
     for item in overrides:
         apply_override(cfg, item)
-    validate(cfg, int((environ or {}).get("WORLD_SIZE", 1)))
+    validate(cfg)
     return cfg
 
 

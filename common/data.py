@@ -12,6 +12,7 @@ import glob
 import hashlib
 import json
 import os
+import sys
 import sysconfig
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from common.config import ConfigError, DataConfig
 PAD = -1  # marks padding inside the cached array; it becomes pad_token_id in inputs and -100 in labels
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
+EMBEDDED_CORPUS = f"stdlib{sys.version_info[0]}.{sys.version_info[1]}-v2"  # bump when the corpus selection changes
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 
 
@@ -32,7 +34,8 @@ def _embedded_documents(max_bytes: int) -> list[str]:
     root = sysconfig.get_paths()["stdlib"]
     docs, total = [], 0
     for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
-        if "site-packages" in path or "test" in os.path.relpath(path, root).split(os.sep)[0]:
+        top = os.path.relpath(path, root).split(os.sep)[0]
+        if "site-packages" in path or "test" in top or top == "encodings":  # tests and codec tables: not prose-like code
             continue
         with open(path, encoding="utf-8", errors="replace") as f:
             text = f.read()
@@ -61,7 +64,7 @@ def _train_embedded_tokenizer(docs: list[str], vocab_size: int, out_dir: str):
 def _cache_key(cfg: DataConfig, extra: str) -> str:
     fields = {k: getattr(cfg, k) for k in ("dataset", "dataset_config", "split", "text_field", "tokenizer",
                                            "seq_len", "embedded_max_bytes", "embedded_vocab_size", "pack")}
-    return hashlib.sha256((json.dumps(fields, sort_keys=True) + extra).encode()).hexdigest()[:16]
+    return hashlib.sha256((json.dumps(fields, sort_keys=True) + EMBEDDED_CORPUS + extra).encode()).hexdigest()[:16]
 
 
 def _local_files(cfg: DataConfig) -> list[str] | None:
@@ -81,7 +84,7 @@ def _file_fingerprint(files: list[str]) -> str:
 
 
 def _embedded_tokenizer_dir(cfg: DataConfig) -> str:
-    name = f"embedded-tokenizer-{cfg.embedded_vocab_size}-{cfg.embedded_max_bytes}"
+    name = f"tokenizer-{EMBEDDED_CORPUS}-{cfg.embedded_vocab_size}-{cfg.embedded_max_bytes}"
     return os.path.join(os.path.expanduser(cfg.cache_dir), name)
 
 
@@ -105,7 +108,7 @@ def _documents(cfg: DataConfig, files: list[str] | None) -> list[str]:
     ds = datasets.load_dataset(LOCAL_FORMATS[os.path.splitext(files[0])[1]], data_files=files, split=cfg.split)
     if cfg.text_field not in ds.column_names:
         raise ConfigError(f"data.text_field is {cfg.text_field!r} but {cfg.dataset} has columns {ds.column_names}")
-    return ds[cfg.text_field]
+    return list(ds[cfg.text_field])
 
 
 def _pack(token_lists: list[list[int]], eos_id: int, seq_len: int, pack: bool) -> np.ndarray:
@@ -124,32 +127,39 @@ def _pack(token_lists: list[list[int]], eos_id: int, seq_len: int, pack: bool) -
 
 def prepare_local_data(cfg: DataConfig, is_main: bool) -> str:
     """Rank 0 builds (or finds) the tokenizer and the token array in the cache; returns the array's path."""
-    cache_root = os.path.expanduser(cfg.cache_dir)
     files = None if cfg.dataset == "embedded" else _local_files(cfg)
     if cfg.dataset != "embedded" and files is None:
         raise ConfigError(f"data.dataset {cfg.dataset!r} matches no local file; for a hub dataset set "
                           f"data.streaming=true")
     key = _cache_key(cfg, _file_fingerprint(files) if files else "")
-    tokens_path = os.path.join(cache_root, f"tokens-{key}.npy")
+    tokens_path = os.path.join(os.path.expanduser(cfg.cache_dir), f"tokens-{key}.npy")
+    error = None
     if is_main and not os.path.exists(tokens_path):
-        os.makedirs(cache_root, exist_ok=True)
-        docs = _documents(cfg, files)
-        tok_dir = _embedded_tokenizer_dir(cfg)
-        if cfg.tokenizer is None and not os.path.exists(tok_dir):
-            tmp = f"{tok_dir}.tmp{os.getpid()}"
-            _train_embedded_tokenizer(_embedded_documents(cfg.embedded_max_bytes), cfg.embedded_vocab_size, tmp)
-            os.replace(tmp, tok_dir)
-        tokenizer = load_tokenizer(cfg)
-        ids = tokenizer(docs, add_special_tokens=False)["input_ids"]
-        rows = _pack(ids, tokenizer.eos_token_id, cfg.seq_len, cfg.pack)
-        if len(rows) == 0:
-            raise ConfigError(f"data.dataset {cfg.dataset!r} yields no sample of data.seq_len={cfg.seq_len} tokens")
-        tmp = f"{tokens_path}.tmp{os.getpid()}.npy"
-        np.save(tmp, rows)
-        os.replace(tmp, tokens_path)
+        try:
+            _tokenize_to(tokens_path, cfg, files)
+        except ConfigError as e:
+            error = str(e)
     if dist.is_initialized():
-        dist.barrier()
+        # Rank 0 shares its verdict, so a bad dataset stops every rank instead of leaving them at a barrier.
+        verdict = [error]
+        dist.broadcast_object_list(verdict, src=0)
+        error = verdict[0]
+    if error:
+        raise ConfigError(error)
     return tokens_path
+
+
+def _tokenize_to(tokens_path: str, cfg: DataConfig, files: list[str] | None) -> None:
+    os.makedirs(os.path.dirname(tokens_path), exist_ok=True)
+    tokenizer = load_tokenizer(cfg)
+    ids = tokenizer(_documents(cfg, files), add_special_tokens=False)["input_ids"]
+    rows = _pack(ids, tokenizer.eos_token_id, cfg.seq_len, cfg.pack)
+    if len(rows) == 0:
+        raise ConfigError(f"data.dataset {cfg.dataset!r} yields no sample of data.seq_len={cfg.seq_len} tokens; "
+                          f"lower data.seq_len or add data")
+    tmp = f"{tokens_path}.tmp{os.getpid()}.npy"
+    np.save(tmp, rows)
+    os.replace(tmp, tokens_path)
 
 
 @dataclass
@@ -201,29 +211,45 @@ class LocalBatches:
 
 
 class StreamingBatches:
-    """A hub dataset streamed and packed on the fly; each rank reads its own part of the stream."""
+    """A dataset streamed and packed on the fly (a hub name, or local files); each rank reads its own part.
+
+    Positions here are per rank, so unlike LocalBatches the batches depend on the world size.
+    """
 
     def __init__(self, cfg: DataConfig, tokenizer, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int):
         import datasets
         from datasets.distributed import split_dataset_by_node
 
+        files = _local_files(cfg)
         try:
-            ds = datasets.load_dataset(cfg.dataset, cfg.dataset_config, split=cfg.split, streaming=True)
+            if files:
+                ds = datasets.load_dataset(LOCAL_FORMATS[os.path.splitext(files[0])[1]], data_files=files,
+                                           split=cfg.split, streaming=True)
+            else:
+                ds = datasets.load_dataset(cfg.dataset, cfg.dataset_config, split=cfg.split, streaming=True)
         except Exception as e:  # the hub client raises many types; all mean "cannot get this dataset"
             raise ConfigError(f"data.dataset {cfg.dataset!r} could not be streamed ({str(e).splitlines()[0]}); "
                               f"check the name and network, or use local files") from None
-        self.stream = iter(split_dataset_by_node(ds, rank=dp_rank, world_size=dp_size))
+        self.dataset = split_dataset_by_node(ds, rank=dp_rank, world_size=dp_size)
+        self.stream = iter(self.dataset)
         self.tokenizer, self.cfg = tokenizer, cfg
         self.accum = global_batch // (micro_batch * dp_size)
         self.micro_batch = micro_batch
         self.buffer: list[int] = []
         self.consumed = 0
 
+    def _next_text(self) -> str:
+        try:
+            return next(self.stream)[self.cfg.text_field]
+        except StopIteration:  # a finite dataset: start another pass
+            self.stream = iter(self.dataset)
+            return next(self.stream)[self.cfg.text_field]
+
     def _next_row(self) -> list[int]:
         need = self.cfg.seq_len + 1
         while len(self.buffer) < need:
-            text = next(self.stream)[self.cfg.text_field]
-            self.buffer.extend(self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id])
+            ids = self.tokenizer(self._next_text(), add_special_tokens=False)["input_ids"]
+            self.buffer.extend(ids + [self.tokenizer.eos_token_id])
         row, self.buffer = self.buffer[:need], self.buffer[need - 1:]
         return row
 
@@ -237,9 +263,22 @@ class StreamingBatches:
         return out
 
 
+def ensure_embedded_tokenizer(cfg: DataConfig, is_main: bool) -> None:
+    """Rank 0 trains the embedded tokenizer once per cache; the others wait for it."""
+    tok_dir = _embedded_tokenizer_dir(cfg)
+    if cfg.tokenizer is None and is_main and not os.path.exists(tok_dir):
+        os.makedirs(os.path.dirname(tok_dir), exist_ok=True)
+        tmp = f"{tok_dir}.tmp{os.getpid()}"
+        _train_embedded_tokenizer(_embedded_documents(cfg.embedded_max_bytes), cfg.embedded_vocab_size, tmp)
+        os.replace(tmp, tok_dir)
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def build_batches(cfg: DataConfig, seed: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
                   is_main: bool):
     """(tokenizer, batches) for a run; batches.micro_batches(step) gives this rank's micro-batches."""
+    ensure_embedded_tokenizer(cfg, is_main)
     if cfg.streaming:
         tokenizer = load_tokenizer(cfg)
         return tokenizer, StreamingBatches(cfg, tokenizer, global_batch, micro_batch, dp_rank, dp_size)

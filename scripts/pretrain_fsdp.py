@@ -3,8 +3,8 @@
     python scripts/pretrain_fsdp.py --config configs/debug_llama.json             # one process, CPU or GPU
     torchrun --nproc_per_node 8 scripts/pretrain_fsdp.py --config configs/llama.json train.steps=100
 
-The story of main(): config -> process group and mesh -> model on `meta` -> fully_shard -> materialise
-and initialise (or load) -> data -> train loop -> export.
+The story of main(): config -> process group and mesh -> data -> model on `meta` -> fully_shard ->
+materialise and initialise (or load) -> train loop -> export.
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ BAD_INPUTS = {
     "cp_and_sp": (["parallelism.cp_size=2", "parallelism.sp_size=2"], "pick one"),
     "missing_checkpoint": (["model.name_or_path=/nonexistent/llama", "model.config={}"], "model.name_or_path '/nonexistent/llama'"),
     "both_model_sources": (["model.name_or_path=/some/dir"], "set model.config={}"),
-    "streaming_without_tokenizer": (["data.streaming=true"], "data.tokenizer is empty"),
+    "seq_len": (["data.seq_len=1"], "data.seq_len is 1"),
 }
 
 

@@ -1,19 +1,143 @@
-"""Weights in and out: HF checkpoint loading (optionally rank-0 + broadcast) and the final export.
+"""Weights in and out: resume checkpoints, HF loading (optionally rank-0 + broadcast), the final export.
 
-Everything is written to `<name>.tmp` and renamed into place once complete, so a crash never leaves a
-half-written directory under the final name.
+Everything is written to `<name>.tmp` and renamed into place once complete on every rank, so a crash never
+leaves a half-written directory under a final name, and `resume: auto` never picks one.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
+import signal
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from common.config import ConfigError
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+TRAIN_STATE = "train_state.json"
+
+
+def maybe_inject_fault(point: str, step: int, run_dir: str) -> bool:
+    """Test hook for crash recovery: FSDP2_RECIPES_FAULT=<point>@<step>[:<rank>], point kill|save|hang|nan.
+
+    kill SIGKILLs the rank at the start of that step, save SIGKILLs it inside that step's checkpoint write
+    (after the data, before the rename), hang stops it in place, nan returns True so the caller poisons the
+    loss. Each fires once per run directory, so a restarted job gets past it.
+    """
+    spec = os.environ.get("FSDP2_RECIPES_FAULT", "")
+    match = re.fullmatch(r"(kill|save|hang|nan)@(\d+)(?::(\d+))?", spec)
+    if not match or match[1] != point or int(match[2]) != step:
+        return False
+    if match[3] is not None and int(match[3]) != dist.get_rank():
+        return False
+    marker = os.path.join(run_dir, f".fault-{spec.replace(':', '-')}-rank{dist.get_rank()}")
+    if os.path.exists(marker):
+        return False
+    open(marker, "w").close()
+    if point == "nan":
+        return True
+    if point == "hang":
+        signal.pause()
+    os.kill(os.getpid(), signal.SIGKILL)
+    return False
+
+
+def checkpoints_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def find_resume_checkpoint(run_dir: str, resume: str) -> str | None:
+    """`auto`: the newest complete checkpoint of this run (or None); `none`: None; else the given path."""
+    if resume == "none":
+        return None
+    if resume != "auto":
+        if not os.path.exists(os.path.join(resume, TRAIN_STATE)):
+            raise ConfigError(f"checkpoint.resume {resume!r} is not a complete checkpoint directory "
+                              f"(no {TRAIN_STATE}); use auto, none, or a checkpoints/step-N path")
+        return resume
+    root = checkpoints_dir(run_dir)
+    steps = [int(m[1]) for m in map(STEP_DIR.match, os.listdir(root) if os.path.isdir(root) else []) if m]
+    complete = [s for s in sorted(steps) if os.path.exists(os.path.join(root, f"step-{s}", TRAIN_STATE))]
+    return os.path.join(root, f"step-{complete[-1]}") if complete else None
+
+
+def _training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list]:
+    """Tensors only: DCP unpickles any non-tensor value on load, and we never unpickle.
+
+    The optimizer's param_groups (lr, betas, ...) are not saved: they come from the config and the
+    scheduler, whose state goes to train_state.json.
+    """
+    optim = get_optimizer_state_dict(model, optimizer)  # allocates the state of a fresh optimizer
+    state = {"model": get_model_state_dict(model), "optim": optim["state"], "rng": {"cpu": torch.get_rng_state()}}
+    if torch.cuda.is_available():
+        state["rng"]["cuda"] = torch.cuda.get_rng_state()
+    return state, optim["param_groups"]
+
+
+def save_checkpoint(run_dir: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    train_state: dict, keep_latest: int) -> str:
+    """DCP of model + optimizer + RNG, plus train_state.json (step, samples, scheduler, data position)."""
+    root = checkpoints_dir(run_dir)
+    final = os.path.join(root, f"step-{step}")
+    tmp = f"{final}.tmp"
+    if dist.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        for name in os.listdir(root):  # leftovers of a save that crashed
+            if name.endswith(".tmp") and STEP_DIR.match(name[: -len(".tmp")]):
+                shutil.rmtree(os.path.join(root, name))
+    dist.barrier()
+    state, _ = _training_state(model, optimizer)
+    dcp.save(state, checkpoint_id=tmp)
+    maybe_inject_fault("save", step, run_dir)
+    dist.barrier()  # every rank's shard is on disk before the checkpoint gets its final name
+    if dist.get_rank() == 0:
+        with open(os.path.join(tmp, TRAIN_STATE), "w") as f:
+            json.dump(train_state, f)
+        _publish(tmp, final)
+        steps = sorted(int(m[1]) for m in map(STEP_DIR.match, os.listdir(root)) if m)
+        for old in steps[:-keep_latest]:
+            shutil.rmtree(os.path.join(root, f"step-{old}"))
+    dist.barrier()
+    return final
+
+
+def _check_shapes(path: str, model: nn.Module) -> None:
+    """A checkpoint of another model fails here with the first differing tensor, not deep inside DCP."""
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    for name, param in get_model_state_dict(model).items():
+        entry = saved.get(f"model.{name}")
+        here = list(param.shape)
+        there = list(entry.size) if entry is not None and hasattr(entry, "size") else None
+        if there != here:
+            raise ConfigError(f"checkpoint {path} holds a different model ({name} is {there} there, {here} here); "
+                              f"use a new checkpoint.dir for this model, or checkpoint.resume=none")
+
+
+def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Restore model, optimizer and RNG in place (DCP reshards to this world size); returns train_state."""
+    _check_shapes(path, model)
+    state, param_groups = _training_state(model, optimizer)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, {"state": state["optim"], "param_groups": param_groups})
+    torch.set_rng_state(state["rng"]["cpu"])
+    if "cuda" in state["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["rng"]["cuda"])
+    with open(os.path.join(path, TRAIN_STATE)) as f:
+        return json.load(f)
 
 
 def _hf_state_dict(path: str, trust_remote_code: bool) -> dict[str, torch.Tensor]:

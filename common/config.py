@@ -64,6 +64,7 @@ class TrainConfig:
     gradient_checkpointing: bool = False  # the HF model's own; use fsdp.activation_checkpointing instead
     compile: bool = False  # torch.compile each transformer layer
     device: str = "auto"  # auto | cpu | cuda
+    stop_after: int = 0  # stop (with a checkpoint) after this many steps of this run, keeping the train.steps schedule
 
 
 @dataclass
@@ -100,9 +101,9 @@ class ParallelismConfig:
 @dataclass
 class CheckpointConfig:
     dir: str = "runs/debug"  # the run directory; everything a run writes goes under it
-    interval: int = 0  # resume checkpoints every N steps (0: off)
+    interval: int = 0  # resume checkpoints every N steps (0: only at the end of the run)
     keep_latest: int = 2
-    resume: str = "auto"  # auto | none | a path
+    resume: str = "auto"  # auto: the newest complete checkpoint in dir, if any | none | a step-N path
     export: bool = True  # write the final export to <dir>/export per fsdp.state_dict_type
 
 
@@ -110,6 +111,7 @@ class CheckpointConfig:
 class MetricsConfig:
     log_every: int = 1
     comm_stats: bool = False  # count all-gather / reduce-scatter calls and bytes per step
+    sample_ids: bool = False  # log which global samples each rank consumed (for data-position tests)
     tensorboard: bool = True  # used only when the package is installed
 
 
@@ -401,6 +403,10 @@ def validate(cfg: Config) -> None:
     if p.timeout_minutes <= 0:
         raise ConfigError(f"parallelism.timeout_minutes is {p.timeout_minutes}; it must be > 0")
 
+    if not isinstance(c.interval, int) or c.interval < 0:
+        raise ConfigError(f"checkpoint.interval is {c.interval!r}; use a step count, or 0 for only the end of the run")
+    if not isinstance(t.stop_after, int) or t.stop_after < 0:
+        raise ConfigError(f"train.stop_after is {t.stop_after!r}; use a step count, or 0 to run to train.steps")
     if c.keep_latest < 1:
         raise ConfigError(f"checkpoint.keep_latest is {c.keep_latest}; keep at least 1")
     if cfg.metrics.log_every < 1:

@@ -187,15 +187,21 @@ class LocalBatches:
             self._epoch, self._perm = epoch, np.random.default_rng(self.seed + epoch).permutation(len(self.rows))
         return self.rows[self._perm[index]]
 
-    def micro_batches(self, step: int) -> list[Batch]:
-        """This rank's share of step `step`: global samples [step*B, (step+1)*B), split into micro-batches."""
+    def micro_batches(self, first_sample: int) -> list[Batch]:
+        """This rank's share of the step whose global samples are [first_sample, first_sample + B)."""
         per_rank = self.global_batch // self.dp_size
-        start = step * self.global_batch + self.dp_rank * per_rank
+        start = first_sample + self.dp_rank * per_rank
         out = []
         for m in range(0, per_rank, self.micro_batch):
             positions = list(range(start + m, start + m + self.micro_batch))
             out.append(self._batch(np.stack([self._row(p) for p in positions]), positions))
         return out
+
+    def state_dict(self) -> dict:
+        return {}  # the position is the global sample count, which the training loop saves
+
+    def load_state_dict(self, states: list[dict], rank: int) -> None:
+        pass
 
     def fixed_batch(self, size: int) -> Batch:
         """The first `size` rows of the data, unshuffled: a batch anyone can rebuild to check a model."""
@@ -234,7 +240,7 @@ class StreamingBatches:
         self.stream = iter(self.dataset)
         self.tokenizer, self.cfg = tokenizer, cfg
         self.accum = global_batch // (micro_batch * dp_size)
-        self.micro_batch = micro_batch
+        self.micro_batch, self.dp_size = micro_batch, dp_size
         self.buffer: list[int] = []
         self.consumed = 0
 
@@ -253,7 +259,18 @@ class StreamingBatches:
         row, self.buffer = self.buffer[:need], self.buffer[need - 1:]
         return row
 
-    def micro_batches(self, step: int) -> list[Batch]:
+    def state_dict(self) -> dict:
+        return {"dataset": self.dataset.state_dict(), "buffer": self.buffer, "consumed": self.consumed}
+
+    def load_state_dict(self, states: list[dict], rank: int) -> None:
+        if len(states) != self.dp_size:
+            raise ConfigError(f"this streaming run was checkpointed on {len(states)} data-parallel ranks; a stream "
+                              f"resumes only on the same number (use local files to resume on another world size)")
+        self.dataset.load_state_dict(states[rank]["dataset"])
+        self.stream = iter(self.dataset)
+        self.buffer, self.consumed = states[rank]["buffer"], states[rank]["consumed"]
+
+    def micro_batches(self, first_sample: int) -> list[Batch]:
         out = []
         for _ in range(self.accum):
             rows = torch.tensor([self._next_row() for _ in range(self.micro_batch)])

@@ -58,7 +58,7 @@ class MetricsLogger:
             return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        if "step" in record:
+        if "step" in record and "event" not in record:
             parts = [f"step {record['step']}"]
             for key, fmt in (("loss", ".4f"), ("grad_norm", ".3f"), ("lr", ".2e"), ("tokens_per_s", ",.0f"),
                              ("tokens_per_s_per_device", ",.0f"), ("mfu", ".1%"), ("peak_mem_gib", ".2f"), ("eta_s", ".0f")):

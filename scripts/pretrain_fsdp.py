@@ -21,7 +21,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common.checkpoint import export_full, export_sharded, is_sharded_export, load_hf_weights, load_sharded_export
+from common.checkpoint import (
+    export_full,
+    export_sharded,
+    find_resume_checkpoint,
+    is_sharded_export,
+    load_checkpoint,
+    load_hf_weights,
+    load_sharded_export,
+    maybe_inject_fault,
+    save_checkpoint,
+)
 from common.config import Config, ConfigError, exit_on_config_error, parse_args, resolve_mixed_precision, to_dict
 from common.data import build_batches
 from common.mesh import build_dp_mesh, init_distributed, resolve_dp_sizes
@@ -92,6 +102,13 @@ def fixed_batch_loss(model, batch, device) -> float:
     return (loss / (batch.labels != -100).sum()).item()
 
 
+def gather(obj, world_size: int) -> list:
+    """One small picklable object per rank, as a list on every rank."""
+    out = [None] * world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv, description=__doc__)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -125,7 +142,11 @@ def main(argv: list[str] | None = None) -> None:
     param_device = torch.device("cpu") if cfg.fsdp.cpu_offload else d.device
     model.to_empty(device=param_device)
     init_buffers(model, d.device)
-    if cfg.model.name_or_path and is_sharded_export(cfg.model.name_or_path):
+    run_dir = cfg.checkpoint.dir
+    resume_from = find_resume_checkpoint(run_dir, cfg.checkpoint.resume)
+    if resume_from:
+        pass  # the weights come from the resume checkpoint, loaded with the optimizer below
+    elif cfg.model.name_or_path and is_sharded_export(cfg.model.name_or_path):
         load_sharded_export(model, cfg.model.name_or_path)  # DCP reshards to this world size
     elif cfg.model.name_or_path:
         load_hf_weights(model, cfg.model.name_or_path, broadcast_from_rank0=cfg.fsdp.cpu_ram_efficient_loading,
@@ -133,17 +154,23 @@ def main(argv: list[str] | None = None) -> None:
     else:
         init_weights(model, t.seed, hf_config.initializer_range)
     model.train()
-    load_peaks = [None] * d.world_size
-    dist.all_gather_object(load_peaks, peak_memory_bytes(d.device) / GIB)
+    load_peaks = gather(peak_memory_bytes(d.device) / GIB, d.world_size)
     optimizer = build_optimizer(model, cfg, d.device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
+    start_step, samples = 0, 0  # samples: the global data position, so a resume on any world size continues it
+    if resume_from:
+        state = load_checkpoint(resume_from, model, optimizer)
+        scheduler.load_state_dict(state["scheduler"])
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr  # load_state_dict restores the schedule, not the lr already applied to the optimizer
+        data.load_state_dict(state["data"], d.rank)
+        start_step, samples = state["step"], state["samples"]
 
     num_params = sum(p.numel() for p in model.parameters())
     num_embed = model.get_input_embeddings().weight.numel()
     timer = StepTimer(t.steps, flops_per_token(num_params, num_embed, hf_config.num_hidden_layers,
                                                hf_config.hidden_size, cfg.data.seq_len),
                       device_peak_flops(d.device), d.world_size)
-    run_dir = cfg.checkpoint.dir
     logger = MetricsLogger(run_dir, d.is_main, cfg.metrics.tensorboard)
     if d.is_main:
         with open(os.path.join(run_dir, "run_config.json"), "w") as f:
@@ -154,26 +181,47 @@ def main(argv: list[str] | None = None) -> None:
                 "mesh": list(mesh.shape), "device": str(d.device),
                 "mixed_precision": resolve_mixed_precision(cfg.fsdp, d.device.type),
                 "peak_mem_after_load_gib_per_rank": load_peaks,
-                "data": getattr(data, "tokens_path", None)})
+                "data": getattr(data, "tokens_path", None), "resumed_from": resume_from, "start_step": start_step})
 
     comm = CommCounter()
     with comm.patch() if cfg.metrics.comm_stats else contextlib.nullcontext():
-        for step in range(t.steps):
-            loss, grad_norm, tokens = train_step(model, optimizer, data.micro_batches(step), d.device, t.max_grad_norm)
+        for step in range(start_step + 1, t.steps + 1):
+            maybe_inject_fault("kill", step, run_dir)
+            maybe_inject_fault("hang", step, run_dir)
+            micro_batches = data.micro_batches(samples)
+            loss, grad_norm, tokens = train_step(model, optimizer, micro_batches, d.device, t.max_grad_norm)
+            samples += t.global_batch_size
+            if maybe_inject_fault("nan", step, run_dir):
+                loss = math.nan
             if not math.isfinite(loss):
-                raise SystemExit(f"loss is {loss} at step {step + 1}; stopping without writing anything "
-                                 f"(try a lower train.lr or train.max_grad_norm)")
+                # Every rank sees the same all-reduced loss, so all stop here, before any checkpoint is written.
+                raise SystemExit(f"loss is {loss} at step {step}; stopping without saving, the last checkpoint is "
+                                 f"intact (try a lower train.lr or train.max_grad_norm)")
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
-            if (step + 1) % cfg.metrics.log_every == 0 or step + 1 == t.steps:
-                record = {"step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
-                          "samples": (step + 1) * t.global_batch_size, **timer.record(step + 1, tokens),
+            if step % cfg.metrics.log_every == 0 or step == t.steps:
+                record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
+                          "samples": samples, **timer.record(step - start_step, tokens),
                           "peak_mem_gib": peak_memory_bytes(d.device) / GIB}
                 if cfg.metrics.comm_stats:
                     record.update(comm.reset())
+                if cfg.metrics.sample_ids:
+                    record["sample_ids"] = gather([i for b in micro_batches for i in b.sample_ids], d.world_size)
                 logger.log(record)
             else:
                 timer.tokens_since += tokens
+            stopping = t.stop_after and step - start_step >= t.stop_after
+            interval = cfg.checkpoint.interval
+            if (interval and step % interval == 0) or step == t.steps or stopping:
+                train_state = {"step": step, "samples": samples, "world_size": d.world_size, "loss": loss,
+                               "scheduler": scheduler.state_dict(), "data": gather(data.state_dict(), d.world_size)}
+                path = save_checkpoint(run_dir, step, model, optimizer, train_state, cfg.checkpoint.keep_latest)
+                logger.log({"event": "checkpoint", "step": step, "path": path})
+            if stopping and step < t.steps:
+                logger.log({"event": "stopped", "step": step, "reason": "train.stop_after"})
+                logger.close()
+                dist.destroy_process_group()
+                return
 
     if not cfg.data.streaming:
         fixed = data.fixed_batch(t.micro_batch_size)

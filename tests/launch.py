@@ -44,8 +44,13 @@ def read_metrics(run_dir) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def steps(records: list[dict]) -> list[dict]:
+    """The per-step training records (events such as checkpoints also carry a step)."""
+    return [r for r in records if "step" in r and "event" not in r]
+
+
 def losses(records: list[dict]) -> list[float]:
-    return [r["loss"] for r in records if "step" in r]
+    return [r["loss"] for r in steps(records)]
 
 
 def event(records: list[dict], name: str) -> dict:

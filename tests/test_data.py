@@ -66,7 +66,7 @@ def test_each_step_uses_the_same_global_samples_whatever_the_world_size(tmp_path
             seen, inputs = [], []
             for rank in range(dp_size):
                 batches = LocalBatches(path, 0, 0, global_batch=8, micro_batch=2, dp_rank=rank, dp_size=dp_size)
-                for b in batches.micro_batches(step):
+                for b in batches.micro_batches(step * 8):
                     seen += b.sample_ids
                     inputs += [row.tolist() for row in b.input_ids]
             assert seen == list(range(step * 8, step * 8 + 8))

@@ -1,13 +1,9 @@
 """Each fsdp key does what the Transformers FSDP2 docs say, measured on real multi-rank runs."""
 
 import pytest
-from launch import event, losses, pretrain
+from launch import event, losses, pretrain, steps
 
 STEP = ["train.steps=3", "train.micro_batch_size=4", "checkpoint.export=false"]
-
-
-def step_records(records):
-    return [r for r in records if "step" in r]
 
 
 def test_reshard_after_forward_false_skips_the_backward_all_gather(tmp_path):
@@ -17,11 +13,11 @@ def test_reshard_after_forward_false_skips_the_backward_all_gather(tmp_path):
     ready = event(on, "model_ready")
     param_bytes = ready["params"] * 4  # fp32, and these shapes need no padding over 2 ranks
     units_with_params = ready["fsdp_units"] - 1  # the Llama root owns no parameter of its own
-    for r in step_records(on):  # forward + backward all-gather of every unit: about 2 x params
+    for r in steps(on):  # forward + backward all-gather of every unit: about 2 x params
         assert r["all_gather_calls"] == 2 * units_with_params
         assert r["all_gather_bytes"] == 2 * param_bytes
         assert r["reduce_scatter_bytes"] == param_bytes
-    for r in step_records(off):  # parameters kept from forward to backward: one all-gather
+    for r in steps(off):  # parameters kept from forward to backward: one all-gather
         assert r["all_gather_calls"] == units_with_params
         assert r["all_gather_bytes"] == param_bytes
         assert r["reduce_scatter_bytes"] == param_bytes
@@ -38,8 +34,8 @@ def test_activation_checkpointing_same_loss_lower_peak_memory(tmp_path):
     plain = pretrain(tmp_path / "plain", *BIG_ACTIVATIONS, nproc=0, extra_env=env)
     ac = pretrain(tmp_path / "ac", *BIG_ACTIVATIONS, "fsdp.activation_checkpointing=true", nproc=0, extra_env=env)
     assert losses(ac) == pytest.approx(losses(plain), abs=1e-6)
-    plain_peak = step_records(plain)[-1]["peak_mem_gib"]
-    ac_peak = step_records(ac)[-1]["peak_mem_gib"]
+    plain_peak = steps(plain)[-1]["peak_mem_gib"]
+    ac_peak = steps(ac)[-1]["peak_mem_gib"]
     assert ac_peak < plain_peak - 0.15, (ac_peak, plain_peak)
 
 

@@ -1,7 +1,7 @@
 """N-rank FSDP/HSDP training equals the one-process run: the heart of the recipe's correctness."""
 
 import pytest
-from launch import event, losses, pretrain
+from launch import event, losses, pretrain, steps
 
 STEPS = 10
 
@@ -33,8 +33,8 @@ def test_gradient_accumulation_with_padding_matches_one_big_batch(tmp_path):
     big = pretrain(tmp_path / "big", *common, "train.micro_batch_size=8", nproc=0)
     accumulated = pretrain(tmp_path / "acc", *common, "train.micro_batch_size=1", nproc=2)
     assert losses(accumulated) == pytest.approx(losses(big), abs=1e-5)
-    big_norms = [r["grad_norm"] for r in big if "step" in r]
-    acc_norms = [r["grad_norm"] for r in accumulated if "step" in r]
+    big_norms = [r["grad_norm"] for r in steps(big)]
+    acc_norms = [r["grad_norm"] for r in steps(accumulated)]
     assert acc_norms == pytest.approx(big_norms, rel=1e-4)
-    tokens = [r["tokens"] for r in big if "step" in r]
+    tokens = [r["tokens"] for r in steps(big)]
     assert len(set(tokens)) > 1, "padding should make the token count vary per step"

@@ -1,0 +1,128 @@
+"""Resume checkpoints: exact resume, resume on another world size, restarts, crash safety, no hangs."""
+
+import os
+import time
+
+import pytest
+import torch.distributed.checkpoint as dcp
+from launch import TINY, event, losses, pretrain, read_metrics, run, steps
+from safetensors.torch import load_file
+
+from common.checkpoint import find_resume_checkpoint
+
+STEPS = 10
+CKPT = [f"train.steps={STEPS}", "checkpoint.interval=2"]
+RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # restarted gloo workers otherwise read stale store addresses
+
+
+def weights(run_dir) -> dict:
+    return load_file(os.path.join(run_dir, "export", "model.safetensors"))
+
+
+def assert_bit_identical(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    assert all((a[k] == b[k]).all() for k in a), [k for k in a if not (a[k] == b[k]).all()]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted reference: 2 ranks, 10 steps, a checkpoint every 2 steps."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    return run_dir, pretrain(run_dir, *CKPT)
+
+
+def test_stop_and_resume_is_bit_identical_and_keeps_the_latest_two(tmp_path, straight):
+    ref_dir, ref = straight
+    first = pretrain(tmp_path, *CKPT, "train.stop_after=5")
+    assert event(first, "stopped")["step"] == 5
+    resumed = read_metrics_after(tmp_path, lambda: pretrain(tmp_path, *CKPT))
+    assert event(resumed, "model_ready")["start_step"] == 5
+    assert losses(resumed) == losses(ref)[5:]  # exactly, not approximately
+    assert_bit_identical(weights(tmp_path), weights(ref_dir))
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-10", "step-8"]
+
+
+def read_metrics_after(run_dir, launch) -> list[dict]:
+    """The records a relaunch appends to an existing metrics.jsonl."""
+    before = len(read_metrics(run_dir))
+    launch()
+    return read_metrics(run_dir)[before:]
+
+
+@pytest.mark.parametrize("first,second", [(4, 2), (2, 4)])
+def test_resume_on_another_world_size_neither_repeats_nor_skips_samples(tmp_path, first, second):
+    common = ["train.steps=8", "checkpoint.interval=2", "metrics.sample_ids=true", "train.micro_batch_size=2"]
+    before = pretrain(tmp_path, *common, "train.stop_after=4", nproc=first)
+    after = read_metrics_after(tmp_path, lambda: pretrain(tmp_path, *common, nproc=second))
+    assert event(after, "model_ready")["world_size"] == second and event(after, "model_ready")["start_step"] == 4
+    records = steps(before + after)
+    assert [r["step"] for r in records] == list(range(1, 9))
+    for r in records:
+        consumed = sorted(i for rank_ids in r["sample_ids"] for i in rank_ids)
+        assert consumed == list(range((r["step"] - 1) * 8, r["step"] * 8)), (r["step"], r["sample_ids"])
+    # Same samples, same math: the losses follow an uninterrupted run up to reduction-order rounding.
+    reference = pretrain(tmp_path / "ref", *common, nproc=first)
+    assert losses(after) == pytest.approx(losses(reference)[4:], abs=1e-5)
+
+
+def test_torchrun_restarts_a_killed_worker_and_ends_bit_identical(tmp_path, straight):
+    ref_dir, ref = straight
+    run("pretrain_fsdp.py", ["--config", TINY, f"checkpoint.dir={tmp_path}", *CKPT], nproc=2,
+        launcher=["torchrun", "--nnodes=1", "--nproc_per_node=2", "--max_restarts=1", "--rdzv_backend=c10d",
+                  "--rdzv_endpoint=localhost:0", "--rdzv_id=restart-test"],
+        extra_env={**RESTART_ENV, "FSDP2_RECIPES_FAULT": "kill@7:1"})
+    records = read_metrics(tmp_path)
+    starts = [r for r in records if r.get("event") == "model_ready"]
+    assert [r["start_step"] for r in starts] == [0, 6]  # killed at step 7, restarted from step-6
+    assert_bit_identical(weights(tmp_path), weights(ref_dir))
+    assert losses(records)[-4:] == losses(ref)[-4:]
+
+
+def test_a_crash_inside_a_checkpoint_write_leaves_the_previous_one_intact(tmp_path, straight):
+    ref_dir, _ = straight
+    crashed = run("pretrain_fsdp.py", ["--config", TINY, f"checkpoint.dir={tmp_path}", *CKPT], nproc=2, check=False,
+                  extra_env={"FSDP2_RECIPES_FAULT": "save@4:0"})
+    assert crashed.returncode != 0
+    names = sorted(os.listdir(tmp_path / "checkpoints"))
+    assert names == ["step-2", "step-4.tmp"]
+    assert find_resume_checkpoint(str(tmp_path), "auto").endswith("step-2")  # the partial one is never picked
+    after = read_metrics_after(tmp_path, lambda: pretrain(tmp_path, *CKPT))
+    assert event(after, "model_ready")["start_step"] == 2
+    assert not (tmp_path / "checkpoints" / "step-4.tmp").exists()  # cleaned up by the next save
+    assert_bit_identical(weights(tmp_path), weights(ref_dir))
+
+
+def test_nan_loss_stops_with_a_message_and_keeps_good_checkpoints(tmp_path):
+    proc = run("pretrain_fsdp.py", ["--config", TINY, f"checkpoint.dir={tmp_path}", *CKPT], nproc=2, check=False,
+               extra_env={"FSDP2_RECIPES_FAULT": "nan@5"})
+    assert proc.returncode != 0
+    assert "loss is nan at step 5; stopping without saving" in proc.stderr
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-2", "step-4"]
+    assert not (tmp_path / "export").exists()
+
+
+def test_a_hung_rank_ends_the_job_within_the_collective_timeout(tmp_path):
+    start = time.monotonic()
+    proc = run("pretrain_fsdp.py", ["--config", TINY, f"checkpoint.dir={tmp_path}", "train.steps=6",
+                                    "parallelism.timeout_minutes=0.1"], nproc=2, check=False, timeout=240,
+               extra_env={"FSDP2_RECIPES_FAULT": "hang@3:1"})
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 120
+    assert "timed out" in proc.stderr.lower() or "timeout" in proc.stderr.lower()
+
+
+def test_checkpoints_of_another_model_are_refused_with_a_clear_message(tmp_path):
+    pretrain(tmp_path, "train.steps=2", "checkpoint.export=false")
+    proc = run("pretrain_fsdp.py", ["--config", TINY, f"checkpoint.dir={tmp_path}", "train.steps=4",
+                                    "model.config.hidden_size=32"], nproc=2, check=False)
+    assert proc.returncode != 0
+    lines = [l for l in proc.stderr.splitlines() if "config error:" in l]
+    assert len(lines) == 2 and "holds a different model" in lines[0] and "checkpoint.resume=none" in lines[0]
+
+
+def test_checkpoints_hold_tensors_only_so_loading_never_unpickles(straight):
+    ref_dir, _ = straight
+    metadata = dcp.FileSystemReader(str(ref_dir / "checkpoints" / "step-10")).read_metadata()
+    kinds = {type(m).__name__ for m in metadata.state_dict_metadata.values()}
+    assert kinds == {"TensorStorageMetadata"}, kinds
+    assert any(k.startswith("optim.") for k in metadata.state_dict_metadata)

@@ -29,9 +29,26 @@ def flops_per_token(num_params: int, num_embedding_params: int, num_layers: int,
 
 
 def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: max allocated. CPU: peak RSS (VmHWM) since the last reset_peak_memory."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    try:
+        with open("/proc/self/status") as f:
+            return int(next(line for line in f if line.startswith("VmHWM:")).split()[1]) * 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: peak since start, in KiB
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak, so training's peak is not hidden by loading's (e.g. tokenizing the corpus)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux: resets VmHWM to the current RSS
+    except OSError:
+        pass
 
 
 class MetricsLogger:

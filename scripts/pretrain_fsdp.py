@@ -35,7 +35,15 @@ from common.checkpoint import (
 from common.config import Config, ConfigError, exit_on_config_error, parse_args, resolve_mixed_precision, to_dict
 from common.data import build_batches
 from common.mesh import build_dp_mesh, init_distributed, resolve_dp_sizes
-from common.metrics import CommCounter, MetricsLogger, StepTimer, device_peak_flops, flops_per_token, peak_memory_bytes
+from common.metrics import (
+    CommCounter,
+    MetricsLogger,
+    StepTimer,
+    device_peak_flops,
+    flops_per_token,
+    peak_memory_bytes,
+    reset_peak_memory,
+)
 from common.model import build_meta_model, init_buffers, init_weights, load_model_config
 from common.wrap import apply_fsdp, resolve_layer_classes
 
@@ -155,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         init_weights(model, t.seed, hf_config.initializer_range)
     model.train()
     load_peaks = gather(peak_memory_bytes(d.device) / GIB, d.world_size)
+    reset_peak_memory(d.device)
     optimizer = build_optimizer(model, cfg, d.device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
     start_step, samples = 0, 0  # samples: the global data position, so a resume on any world size continues it

@@ -36,7 +36,7 @@ def test_activation_checkpointing_same_loss_lower_peak_memory(tmp_path):
     assert losses(ac) == pytest.approx(losses(plain), abs=1e-6)
     plain_peak = steps(plain)[-1]["peak_mem_gib"]
     ac_peak = steps(ac)[-1]["peak_mem_gib"]
-    assert ac_peak < plain_peak - 0.15, (ac_peak, plain_peak)
+    assert ac_peak < plain_peak - 0.2, (ac_peak, plain_peak)  # measured here: 1.06 -> 0.69 GiB
 
 
 def test_cpu_offload_matches_losses(tmp_path):

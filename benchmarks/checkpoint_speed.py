@@ -1,0 +1,101 @@
+"""Resume-checkpoint save and load throughput against the raw sequential write speed of the same disk.
+
+    torchrun --nproc_per_node 2 benchmarks/checkpoint_speed.py [--dir /tmp/ckpt-bench] [--repeats 3]
+
+A Llama of about 300M parameters is sharded with the recipe's own apply_fsdp; each repeat saves and loads
+a full resume checkpoint (model + AdamW state = 3x the fp32 parameter bytes) with common/checkpoint.py,
+and writes the same number of bytes with plain file I/O (each rank its share, fsync'd) as the baseline.
+Prints a markdown table of MB/s (min / median / max over repeats) and the ratio to raw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.distributed as dist
+from transformers import LlamaConfig
+
+from common.checkpoint import load_checkpoint, save_checkpoint
+from common.config import FsdpConfig, ModelConfig
+from common.mesh import build_dp_mesh, init_distributed
+from common.model import build_meta_model, init_weights
+from common.wrap import apply_fsdp
+
+
+def raw_write(path: str, num_bytes: int) -> None:
+    chunk = os.urandom(1 << 20) * 64  # 64 MiB of incompressible data
+    with open(path, "wb") as f:
+        written = 0
+        while written < num_bytes:
+            n = min(len(chunk), num_bytes - written)
+            f.write(chunk[:n])
+            written += n
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def timed(fn) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", default="/tmp/fsdp2-recipes-ckpt-bench")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=16)
+    args = parser.parse_args()
+    d = init_distributed("auto", 10)
+    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=args.layers,
+                         num_attention_heads=16, num_key_value_heads=16)
+    model = build_meta_model(config, ModelConfig())
+    apply_fsdp(model, build_dp_mesh(d.device.type, 1, d.world_size), FsdpConfig(), d.device.type)
+    model.to_empty(device=d.device)
+    init_weights(model, 0, 0.02)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    params = sum(p.numel() for p in model.parameters())
+    ckpt_bytes = 3 * 4 * params  # fp32 weights + AdamW exp_avg + exp_avg_sq
+    run_dir = os.path.join(args.dir, "run")
+    raw_dir = os.path.join(args.dir, "raw")
+    if d.is_main:
+        shutil.rmtree(args.dir, ignore_errors=True)
+        os.makedirs(raw_dir)
+    dist.barrier()
+
+    results = {"save": [], "load": [], "raw write": []}
+    for repeat in range(args.repeats):
+        state = {"step": repeat, "samples": 0, "scheduler": {}, "data": []}
+        results["save"].append(timed(lambda: save_checkpoint(run_dir, repeat + 1, model, optimizer, state, 1)))
+        path = os.path.join(run_dir, "checkpoints", f"step-{repeat + 1}")
+        results["load"].append(timed(lambda: load_checkpoint(path, model, optimizer)))
+        share = ckpt_bytes // d.world_size
+        results["raw write"].append(timed(lambda: raw_write(os.path.join(raw_dir, f"rank{d.rank}.bin"), share)))
+
+    if d.is_main:
+        mb = ckpt_bytes / 1e6
+        raw_median = mb / statistics.median(results["raw write"])
+        print(f"\n{params / 1e6:.0f}M parameters, {mb:.0f} MB per checkpoint, {d.world_size} ranks, "
+              f"{args.repeats} repeats, {args.dir}\n")
+        print("| operation | MB/s min | MB/s median | MB/s max | median / raw write |")
+        print("|---|---|---|---|---|")
+        for name, seconds in results.items():
+            rates = sorted(mb / s for s in seconds)
+            print(f"| {name} | {rates[0]:,.0f} | {statistics.median(rates):,.0f} | {rates[-1]:,.0f} | "
+                  f"{statistics.median(rates) / raw_median:.2f} |")
+        shutil.rmtree(args.dir, ignore_errors=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -28,6 +28,7 @@ from common.config import ConfigError
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TRAIN_STATE = "train_state.json"
+WRITER_THREADS = 4
 
 
 def maybe_inject_fault(point: str, step: int, run_dir: str) -> bool:
@@ -100,7 +101,8 @@ def save_checkpoint(run_dir: str, step: int, model: nn.Module, optimizer: torch.
                 shutil.rmtree(os.path.join(root, name))
     dist.barrier()
     state, _ = _training_state(model, optimizer)
-    dcp.save(state, checkpoint_id=tmp)
+    # Several writer threads per rank keep the disk busy while tensors are serialised.
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, thread_count=WRITER_THREADS))
     maybe_inject_fault("save", step, run_dir)
     dist.barrier()  # every rank's shard is on disk before the checkpoint gets its final name
     if dist.get_rank() == 0:

@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 
 from common.checkpoint import find_resume_checkpoint
 
-STEPS = 10
-CKPT = [f"train.steps={STEPS}", "checkpoint.interval=2"]
+STEPS = 20
+CKPT = [f"train.steps={STEPS}", "checkpoint.interval=5"]
 RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # restarted gloo workers otherwise read stale store addresses
 
 
@@ -26,20 +26,20 @@ def assert_bit_identical(a: dict, b: dict) -> None:
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """The uninterrupted reference: 2 ranks, 10 steps, a checkpoint every 2 steps."""
+    """The uninterrupted reference: 2 ranks, 20 steps, a checkpoint every 5 steps."""
     run_dir = tmp_path_factory.mktemp("straight")
     return run_dir, pretrain(run_dir, *CKPT)
 
 
 def test_stop_and_resume_is_bit_identical_and_keeps_the_latest_two(tmp_path, straight):
     ref_dir, ref = straight
-    first = pretrain(tmp_path, *CKPT, "train.stop_after=5")
-    assert event(first, "stopped")["step"] == 5
+    first = pretrain(tmp_path, *CKPT, "train.stop_after=10")
+    assert event(first, "stopped")["step"] == 10
     resumed = read_metrics_after(tmp_path, lambda: pretrain(tmp_path, *CKPT))
-    assert event(resumed, "model_ready")["start_step"] == 5
-    assert losses(resumed) == losses(ref)[5:]  # exactly, not approximately
+    assert event(resumed, "model_ready")["start_step"] == 10
+    assert losses(resumed) == losses(ref)[10:]  # steps 11-20, exactly, not approximately
     assert_bit_identical(weights(tmp_path), weights(ref_dir))
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-10", "step-8"]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-15", "step-20"]
 
 
 def read_metrics_after(run_dir, launch) -> list[dict]:
@@ -70,34 +70,34 @@ def test_torchrun_restarts_a_killed_worker_and_ends_bit_identical(tmp_path, stra
     run("pretrain_fsdp.py", ["--config", TINY, f"checkpoint.dir={tmp_path}", *CKPT], nproc=2,
         launcher=["torchrun", "--nnodes=1", "--nproc_per_node=2", "--max_restarts=1", "--rdzv_backend=c10d",
                   "--rdzv_endpoint=localhost:0", "--rdzv_id=restart-test"],
-        extra_env={**RESTART_ENV, "FSDP2_RECIPES_FAULT": "kill@7:1"})
+        extra_env={**RESTART_ENV, "FSDP2_RECIPES_FAULT": "kill@13:1"})
     records = read_metrics(tmp_path)
     starts = [r for r in records if r.get("event") == "model_ready"]
-    assert [r["start_step"] for r in starts] == [0, 6]  # killed at step 7, restarted from step-6
+    assert [r["start_step"] for r in starts] == [0, 10]  # killed at step 13, restarted from step-10
     assert_bit_identical(weights(tmp_path), weights(ref_dir))
-    assert losses(records)[-4:] == losses(ref)[-4:]
+    assert losses(records)[-10:] == losses(ref)[-10:]
 
 
 def test_a_crash_inside_a_checkpoint_write_leaves_the_previous_one_intact(tmp_path, straight):
     ref_dir, _ = straight
     crashed = run("pretrain_fsdp.py", ["--config", TINY, f"checkpoint.dir={tmp_path}", *CKPT], nproc=2, check=False,
-                  extra_env={"FSDP2_RECIPES_FAULT": "save@4:0"})
+                  extra_env={"FSDP2_RECIPES_FAULT": "save@10:0"})
     assert crashed.returncode != 0
     names = sorted(os.listdir(tmp_path / "checkpoints"))
-    assert names == ["step-2", "step-4.tmp"]
-    assert find_resume_checkpoint(str(tmp_path), "auto").endswith("step-2")  # the partial one is never picked
+    assert names == ["step-10.tmp", "step-5"]
+    assert find_resume_checkpoint(str(tmp_path), "auto").endswith("step-5")  # the partial one is never picked
     after = read_metrics_after(tmp_path, lambda: pretrain(tmp_path, *CKPT))
-    assert event(after, "model_ready")["start_step"] == 2
-    assert not (tmp_path / "checkpoints" / "step-4.tmp").exists()  # cleaned up by the next save
+    assert event(after, "model_ready")["start_step"] == 5
+    assert not (tmp_path / "checkpoints" / "step-10.tmp").exists()  # cleaned up by the next save
     assert_bit_identical(weights(tmp_path), weights(ref_dir))
 
 
 def test_nan_loss_stops_with_a_message_and_keeps_good_checkpoints(tmp_path):
     proc = run("pretrain_fsdp.py", ["--config", TINY, f"checkpoint.dir={tmp_path}", *CKPT], nproc=2, check=False,
-               extra_env={"FSDP2_RECIPES_FAULT": "nan@5"})
+               extra_env={"FSDP2_RECIPES_FAULT": "nan@15"})
     assert proc.returncode != 0
-    assert "loss is nan at step 5; stopping without saving" in proc.stderr
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-2", "step-4"]
+    assert "loss is nan at step 15; stopping without saving" in proc.stderr
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-10", "step-5"]
     assert not (tmp_path / "export").exists()
 
 
@@ -122,7 +122,7 @@ def test_checkpoints_of_another_model_are_refused_with_a_clear_message(tmp_path)
 
 def test_checkpoints_hold_tensors_only_so_loading_never_unpickles(straight):
     ref_dir, _ = straight
-    metadata = dcp.FileSystemReader(str(ref_dir / "checkpoints" / "step-10")).read_metadata()
+    metadata = dcp.FileSystemReader(str(ref_dir / "checkpoints" / "step-20")).read_metadata()
     kinds = {type(m).__name__ for m in metadata.state_dict_metadata.values()}
     assert kinds == {"TensorStorageMetadata"}, kinds
     assert any(k.startswith("optim.") for k in metadata.state_dict_metadata)

@@ -56,6 +56,50 @@ def maybe_inject_fault(point: str, step: int, run_dir: str) -> bool:
     return False
 
 
+class PreemptionWatch:
+    """Asks for a checkpoint-and-exit at the next step boundary.
+
+    Two triggers: SIGUSR1 delivered to a training process, or the file named by FSDP2_RECIPES_PREEMPT_FILE
+    appearing. Slurm signals the batch shell (`--signal=B:USR1@120`), which creates that file, because
+    torchrun's agent dies on SIGUSR1 instead of forwarding it. Ranks agree through one all-reduce per step.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device, self.signalled = device, False
+        self.file = os.environ.get("FSDP2_RECIPES_PREEMPT_FILE")
+        signal.signal(signal.SIGUSR1, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signalled = True
+
+    def requested(self) -> bool:
+        local = self.signalled or bool(self.file and os.path.exists(self.file))
+        flag = torch.tensor(float(local), device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def check_shared_storage(run_dir: str) -> None:
+    """Every rank must see what rank 0 writes to the run directory, or checkpoints cannot be resumed."""
+    token = [os.urandom(8).hex() if dist.get_rank() == 0 else None]
+    path = os.path.join(run_dir, ".shared-storage-check")
+    if dist.get_rank() == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(token[0])
+    dist.broadcast_object_list(token, src=0)
+    try:
+        with open(path) as f:
+            seen = f.read() == token[0]
+    except OSError:
+        seen = False
+    unseen = torch.tensor(0.0 if seen else 1.0)  # a CPU tensor: gloo carries it, also beside NCCL
+    dist.all_reduce(unseen)
+    if unseen.item():
+        raise ConfigError(f"checkpoint.dir {run_dir!r} is not shared: {int(unseen.item())} rank(s) cannot see "
+                          f"what rank 0 writes there; put it on storage every node mounts")
+
+
 def checkpoints_dir(run_dir: str) -> str:
     return os.path.join(run_dir, "checkpoints")
 

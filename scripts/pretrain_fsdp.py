@@ -29,6 +29,8 @@ from common.checkpoint import (
     load_checkpoint,
     load_hf_weights,
     load_sharded_export,
+    PreemptionWatch,
+    check_shared_storage,
     maybe_inject_fault,
     save_checkpoint,
 )
@@ -142,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     if len(tokenizer) > hf_config.vocab_size:
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but model vocab_size is {hf_config.vocab_size}; "
                           f"set model.config.vocab_size >= {len(tokenizer)}")
+    run_dir = cfg.checkpoint.dir
+    check_shared_storage(run_dir)  # multi-node: a node-local checkpoint.dir could never be resumed
 
     # Shard first, then allocate: no rank ever holds the full fp32 model.
     if t.gradient_checkpointing:
@@ -150,7 +154,6 @@ def main(argv: list[str] | None = None) -> None:
     param_device = torch.device("cpu") if cfg.fsdp.cpu_offload else d.device
     model.to_empty(device=param_device)
     init_buffers(model, d.device)
-    run_dir = cfg.checkpoint.dir
     resume_from = find_resume_checkpoint(run_dir, cfg.checkpoint.resume)
     if resume_from:
         pass  # the weights come from the resume checkpoint, loaded with the optimizer below
@@ -193,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
                 "data": getattr(data, "tokens_path", None), "resumed_from": resume_from, "start_step": start_step})
 
     comm = CommCounter()
+    preemption = PreemptionWatch(d.device)  # SIGUSR1 or the Slurm batch script's request file
     with comm.patch() if cfg.metrics.comm_stats else contextlib.nullcontext():
         for step in range(start_step + 1, t.steps + 1):
             maybe_inject_fault("kill", step, run_dir)
@@ -219,7 +223,8 @@ def main(argv: list[str] | None = None) -> None:
                 logger.log(record)
             else:
                 timer.tokens_since += tokens
-            stopping = t.stop_after and step - start_step >= t.stop_after
+            preempted = preemption.requested()
+            stopping = preempted or (t.stop_after and step - start_step >= t.stop_after)
             interval = cfg.checkpoint.interval
             if (interval and step % interval == 0) or step == t.steps or stopping:
                 train_state = {"step": step, "samples": samples, "world_size": d.world_size, "loss": loss,
@@ -227,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
                 path = save_checkpoint(run_dir, step, model, optimizer, train_state, cfg.checkpoint.keep_latest)
                 logger.log({"event": "checkpoint", "step": step, "path": path})
             if stopping and step < t.steps:
-                logger.log({"event": "stopped", "step": step, "reason": "train.stop_after"})
+                logger.log({"event": "stopped", "step": step, "reason": "preempted" if preempted else "train.stop_after"})
                 logger.close()
                 dist.destroy_process_group()
                 return

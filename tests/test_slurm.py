@@ -1,0 +1,101 @@
+"""slurm/8node.sh on a real two-node Slurm cluster on loopback (tests/slurm/cluster.sh), and multi-node torchrun."""
+
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+from launch import REPO, TINY, env, event, losses, read_metrics, steps
+
+CLUSTER = os.path.join(REPO, "tests", "slurm", "cluster.sh")
+SBATCH_CPU = ["--nodes=2", "--gpus-per-node=0", "--time=15"]  # the 8-node file, overridden on the command line
+
+
+@pytest.fixture(scope="module")
+def slurm_env():
+    if shutil.which("slurmctld") is None or shutil.which("munged") is None:
+        pytest.skip("Slurm is not installed (apt-get install slurmctld slurmd slurm-client munge; .ci/run does)")
+    if os.geteuid() != 0:
+        pytest.skip("the loopback Slurm cluster needs root")
+    state = f"/tmp/fsdp2-recipes-slurm-{os.getpid()}"
+    started = subprocess.run(["bash", CLUSTER, "start", state], capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stderr
+    yield env(SLURM_CONF=f"{state}/slurm.conf", NPROC_PER_NODE="1", NETWORK="tcp")
+    subprocess.run(["bash", CLUSTER, "stop", state], timeout=60)
+
+
+def sbatch(slurm_env, tmp_path, *args: str, wait: bool) -> str:
+    cmd = ["sbatch", "--parsable", *(["--wait"] if wait else []), *SBATCH_CPU, f"--output={tmp_path}/%j.out",
+           os.path.join("slurm", "8node.sh"), TINY, f"checkpoint.dir={tmp_path}/run", *args]
+    proc = subprocess.run(cmd, cwd=REPO, env={**slurm_env, "FSDP2_RECIPES_PREEMPT_FILE": f"{tmp_path}/preempt"},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr, open(next(tmp_path.glob("*.out"))).read() if wait else "")
+    return proc.stdout.strip().split(";")[0]
+
+
+def job_state(slurm_env, job: str) -> str:
+    out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=slurm_env, capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+@pytest.mark.slurm
+def test_two_node_sbatch_trains_and_exits_0(slurm_env, tmp_path):
+    job = sbatch(slurm_env, tmp_path, "train.steps=4", wait=True)
+    log = open(tmp_path / f"{job}.out").read()
+    assert "2 nodes x 1" in log
+    records = read_metrics(tmp_path / "run")
+    assert event(records, "model_ready")["world_size"] == 2 and len(losses(records)) == 4
+    assert (tmp_path / "run" / "export" / "model.safetensors").exists()
+
+
+@pytest.mark.slurm
+def test_preemption_checkpoints_requeues_and_resumes(slurm_env, tmp_path):
+    job = sbatch(slurm_env, tmp_path, "train.steps=40", wait=False)
+    log_path = tmp_path / f"{job}.out"
+    deadline = time.monotonic() + 300
+    while not (log_path.exists() and "step 3 " in log_path.read_text()):
+        assert time.monotonic() < deadline, "the job never reached step 3"
+        time.sleep(1)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm_env, check=True)
+    requeued = False
+    while (state := job_state(slurm_env, job)) != "":
+        assert time.monotonic() < deadline + 300, f"job {job} still {state}"
+        if state == "PENDING" and not requeued:
+            # Slurm delays a requeued job's start by about two minutes; the test does not need to wait for that.
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm_env, check=True)
+            requeued = True
+        time.sleep(1)
+    log = log_path.read_text()
+    assert "USR1 received" in log and "checkpointed, requeueing" in log and "(restart 1)" in log
+    records = read_metrics(tmp_path / "run")
+    stopped = event(records, "stopped")
+    assert stopped["reason"] == "preempted"
+    assert (tmp_path / "run" / "checkpoints").exists()
+    starts = [r["start_step"] for r in records if r.get("event") == "model_ready"]
+    assert starts == [0, stopped["step"]]  # the second run resumed from the preemption checkpoint
+    assert [r["step"] for r in steps(records)] == list(range(1, 41))
+    assert event(records, "exported")
+
+
+def test_two_torchrun_agents_rendezvous_without_slurm(tmp_path):
+    """The README's multi-node recipe, two agents on one host: --nnodes 2 with a c10d rendezvous."""
+    port = 29000 + os.getpid() % 1000
+    cmd = ["torchrun", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+           "--rdzv_id=two-agents", os.path.join(REPO, "scripts", "pretrain_fsdp.py"), "--config", TINY,
+           f"checkpoint.dir={tmp_path}", "train.steps=2", "checkpoint.export=false"]
+    agents = [subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
+    for agent in agents:
+        assert agent.wait(timeout=300) == 0, agent.stdout.read().decode()[-3000:]
+    assert event(read_metrics(tmp_path), "model_ready")["world_size"] == 2
+
+
+def test_shell_scripts_parse_and_are_shellcheck_clean():
+    scripts = [os.path.join(REPO, "slurm", f) for f in os.listdir(os.path.join(REPO, "slurm"))] + [CLUSTER,
+               os.path.join(REPO, ".ci", "run")]
+    for script in scripts:
+        subprocess.run(["bash", "-n", script], check=True)
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck; .ci/run does)")
+    proc = subprocess.run(["shellcheck", "-x", *scripts], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout

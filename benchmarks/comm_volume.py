@@ -1,0 +1,79 @@
+"""FSDP communication per training step, measured against theory.
+
+    python benchmarks/comm_volume.py [--steps 3]
+
+Runs scripts/pretrain_fsdp.py (configs/debug_tiny.json, an MLP width that does not divide the world size, so
+padding shows) with `metrics.comm_stats=true` on 2 and 4 CPU ranks, reshard_after_forward true and false, and
+compares the all-gather and reduce-scatter bytes of the last step with
+
+    Psi = sum over parameters of ceil(dim0 / W) * W * prod(other dims) * bytes per element   (FSDP2 pads dim 0)
+    all-gather     = (2 if reshard_after_forward else 1) * k * Psi    (forward, and again in backward)
+    reduce-scatter = k * Psi                                          (k = micro-batches per step)
+
+Prints a markdown table; the ratios should be 1.00.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+OVERRIDES = ["model.config.intermediate_size=130", "checkpoint.export=false", "metrics.comm_stats=true",
+             "train.global_batch_size=8", "train.micro_batch_size=2", "metrics.tensorboard=false"]
+
+
+def padded_param_bytes(world: int, element_size: int = 4) -> int:
+    from transformers import LlamaConfig
+
+    from common.config import load_config
+    from common.model import build_meta_model
+
+    cfg = load_config(os.path.join(REPO, "configs", "debug_tiny.json"), OVERRIDES)
+    model = build_meta_model(LlamaConfig(**cfg.model.config), cfg.model)
+    total = 0
+    for param in model.parameters():
+        dim0 = math.ceil(param.shape[0] / world) * world
+        total += dim0 * math.prod(param.shape[1:]) * element_size
+    return total
+
+
+def measure(world: int, reshard: bool, steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as run_dir:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+               os.path.join(REPO, "scripts", "pretrain_fsdp.py"), "--config",
+               os.path.join(REPO, "configs", "debug_tiny.json"), f"checkpoint.dir={run_dir}", f"train.steps={steps}",
+               f"fsdp.reshard_after_forward={str(reshard).lower()}", *OVERRIDES]
+        subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f]
+    return [r for r in records if "step" in r and "event" not in r][-1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    print("| ranks | reshard_after_forward | all-gather MB (measured) | theory | ratio | reduce-scatter MB (measured) | theory | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for world in (2, 4):
+        psi = padded_param_bytes(world)
+        k = 8 // (2 * world)  # global batch 8, micro-batch 2
+        for reshard in (True, False):
+            r = measure(world, reshard, args.steps)
+            ag_theory = (2 if reshard else 1) * k * psi
+            rs_theory = k * psi
+            print(f"| {world} | {reshard} | {r['all_gather_bytes'] / 1e6:.3f} | {ag_theory / 1e6:.3f} | "
+                  f"{r['all_gather_bytes'] / ag_theory:.2f} | {r['reduce_scatter_bytes'] / 1e6:.3f} | "
+                  f"{rs_theory / 1e6:.3f} | {r['reduce_scatter_bytes'] / rs_theory:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

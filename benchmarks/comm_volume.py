@@ -16,18 +16,16 @@ Prints a markdown table; the ratios should be 1.00.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import subprocess
 import sys
-import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-OVERRIDES = ["model.config.intermediate_size=130", "checkpoint.export=false", "metrics.comm_stats=true",
-             "train.global_batch_size=8", "train.micro_batch_size=2", "metrics.tensorboard=false"]
+from benchmarks.launch import REPO, TINY, last_step, run_pretrain
+
+OVERRIDES = ["model.config.intermediate_size=130", "metrics.comm_stats=true", "train.global_batch_size=8",
+             "train.micro_batch_size=2"]
 
 
 def padded_param_bytes(world: int, element_size: int = 4) -> int:
@@ -36,7 +34,7 @@ def padded_param_bytes(world: int, element_size: int = 4) -> int:
     from common.config import load_config
     from common.model import build_meta_model
 
-    cfg = load_config(os.path.join(REPO, "configs", "debug_tiny.json"), OVERRIDES)
+    cfg = load_config(TINY, OVERRIDES)
     model = build_meta_model(LlamaConfig(**cfg.model.config), cfg.model)
     total = 0
     for param in model.parameters():
@@ -46,15 +44,8 @@ def padded_param_bytes(world: int, element_size: int = 4) -> int:
 
 
 def measure(world: int, reshard: bool, steps: int) -> dict:
-    with tempfile.TemporaryDirectory() as run_dir:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               os.path.join(REPO, "scripts", "pretrain_fsdp.py"), "--config",
-               os.path.join(REPO, "configs", "debug_tiny.json"), f"checkpoint.dir={run_dir}", f"train.steps={steps}",
-               f"fsdp.reshard_after_forward={str(reshard).lower()}", *OVERRIDES]
-        subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            records = [json.loads(line) for line in f]
-    return [r for r in records if "step" in r and "event" not in r][-1]
+    return last_step(run_pretrain(world, [f"train.steps={steps}", f"fsdp.reshard_after_forward={str(reshard).lower()}",
+                                          *OVERRIDES]))
 
 
 def main() -> None:

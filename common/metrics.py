@@ -150,3 +150,16 @@ class CommCounter:
             yield self
         finally:
             dist.all_gather_single, dist.reduce_scatter_single = originals
+
+
+def sharded_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Bytes this rank holds for parameters and optimizer state (gradients, when present, match parameters)."""
+
+    def local_bytes(t: torch.Tensor) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    params = sum(local_bytes(p) for p in model.parameters())
+    optim = sum(local_bytes(v) for state in optimizer.state.values() for v in state.values()
+                if isinstance(v, torch.Tensor) and v.ndim > 0)
+    return {"param_bytes": params, "optimizer_bytes": optim}

@@ -45,6 +45,7 @@ from common.metrics import (
     flops_per_token,
     peak_memory_bytes,
     reset_peak_memory,
+    sharded_state_bytes,
 )
 from common.model import build_meta_model, init_buffers, init_weights, load_model_config
 from common.wrap import apply_fsdp, resolve_layer_classes
@@ -237,9 +238,10 @@ def main(argv: list[str] | None = None) -> None:
                 dist.destroy_process_group()
                 return
 
+    final = {"event": "final", "state_bytes_per_rank": gather(sharded_state_bytes(model, optimizer), d.world_size)}
     if not cfg.data.streaming:
-        fixed = data.fixed_batch(t.micro_batch_size)
-        logger.log({"event": "final", "fixed_batch_loss": fixed_batch_loss(model, fixed, d.device)})
+        final["fixed_batch_loss"] = fixed_batch_loss(model, data.fixed_batch(t.micro_batch_size), d.device)
+    logger.log(final)
     if cfg.checkpoint.export:
         export_dir = os.path.join(run_dir, "export")
         if cfg.fsdp.state_dict_type == "FULL_STATE_DICT":

@@ -1,0 +1,31 @@
+"""Run scripts/pretrain_fsdp.py under torchrun and return its metrics.jsonl records (for the benchmarks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(REPO, "configs", "debug_tiny.json")
+
+
+def run_pretrain(world: int, overrides: list[str], extra_env: dict | None = None) -> list[dict]:
+    with tempfile.TemporaryDirectory() as run_dir:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+               os.path.join(REPO, "scripts", "pretrain_fsdp.py"), "--config", TINY, f"checkpoint.dir={run_dir}",
+               "checkpoint.export=false", "metrics.tensorboard=false", *overrides]
+        env = dict(os.environ, OMP_NUM_THREADS="1", **(extra_env or {}))
+        subprocess.run(cmd, check=True, capture_output=True, env=env)
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            return [json.loads(line) for line in f]
+
+
+def last_step(records: list[dict]) -> dict:
+    return [r for r in records if "step" in r and "event" not in r][-1]
+
+
+def final(records: list[dict]) -> dict:
+    return next(r for r in records if r.get("event") == "final")

@@ -116,6 +116,15 @@ class MetricsConfig:
 
 
 @dataclass
+class EvalConfig:
+    max_sequences: int = 64  # sequences of data.seq_len + 1 tokens evaluated, from the start of the data
+    batch_size: int = 1  # sequences per data-parallel rank per forward
+    load_balance: bool = True  # head-tail (zig-zag) sharding: every cp rank gets the same causal work
+    loss_chunk_tokens: int = 1024  # lm_head + cross-entropy this many tokens at a time: no full-vocabulary logits
+    attention: str = "auto"  # auto | allgather (torch_cp: torch's context_parallel on CUDA, not available yet)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -124,6 +133,7 @@ class Config:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)  # scripts/eval_cp.py only
 
 
 # FSDP1 options that Transformers/Accelerate configs may carry. FSDP2 has no equivalent, so we name the
@@ -464,9 +474,12 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def exit_on_config_error(error: ConfigError) -> None:
-    """One line, no traceback, exit 2: what a user wants to see for a typo in a config."""
-    rank = os.environ.get("RANK")
-    prefix = f"[rank{rank}] " if rank is not None else ""
-    print(f"{prefix}config error: {error}", file=sys.stderr, flush=True)
-    sys.exit(2)
+def run_cli(main, argv: list[str] | None = None) -> None:
+    """Run a script's main(argv); bad input becomes one line and exit 2, with no traceback, on every rank."""
+    try:
+        main(argv)
+    except ConfigError as error:
+        rank = os.environ.get("RANK")
+        prefix = f"[rank{rank}] " if rank is not None else ""
+        print(f"{prefix}config error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)

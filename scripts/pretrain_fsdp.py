@@ -34,7 +34,7 @@ from common.checkpoint import (
     maybe_inject_fault,
     save_checkpoint,
 )
-from common.config import Config, ConfigError, exit_on_config_error, parse_args, resolve_mixed_precision, to_dict
+from common.config import Config, ConfigError, parse_args, run_cli, resolve_mixed_precision, to_dict
 from common.data import build_batches
 from common.mesh import build_dp_mesh, init_distributed, resolve_dp_sizes
 from common.metrics import (
@@ -254,12 +254,5 @@ def main(argv: list[str] | None = None) -> None:
     dist.destroy_process_group()
 
 
-def cli(argv: list[str] | None = None) -> None:
-    try:
-        main(argv)
-    except ConfigError as error:
-        exit_on_config_error(error)
-
-
 if __name__ == "__main__":
-    cli()
+    run_cli(main)

@@ -7,13 +7,13 @@ import pytest
 import yaml
 from launch import REPO, TINY, event, pretrain, read_metrics, run
 
-from common.config import ConfigError, load_config
+from common.config import ConfigError, load_config, run_cli
 
 pretrain_script = None
 
 
 def cli():
-    """scripts/pretrain_fsdp.py's cli(), imported in-process (errors happen before any process group)."""
+    """scripts/pretrain_fsdp.py run as its command line does, in-process (errors come before any process group)."""
     global pretrain_script
     if pretrain_script is None:
         import importlib.util
@@ -21,7 +21,7 @@ def cli():
         spec = importlib.util.spec_from_file_location("pretrain_fsdp", os.path.join(REPO, "scripts", "pretrain_fsdp.py"))
         pretrain_script = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(pretrain_script)
-    return pretrain_script.cli
+    return lambda argv: run_cli(pretrain_script.main, argv)
 
 
 def test_transformers_docs_fsdp_config_is_taken_unchanged():

@@ -1,8 +1,10 @@
 """slurm/8node.sh on a real two-node Slurm cluster on loopback (tests/slurm/cluster.sh), and multi-node torchrun."""
 
+import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 
 import pytest
@@ -25,9 +27,9 @@ def slurm_env():
     subprocess.run(["bash", CLUSTER, "stop", state], timeout=60)
 
 
-def sbatch(slurm_env, tmp_path, *args: str, wait: bool) -> str:
+def sbatch(slurm_env, tmp_path, *args: str, wait: bool, script: str = "8node.sh", config: str = TINY) -> str:
     cmd = ["sbatch", "--parsable", *(["--wait"] if wait else []), *SBATCH_CPU, f"--output={tmp_path}/%j.out",
-           os.path.join("slurm", "8node.sh"), TINY, f"checkpoint.dir={tmp_path}/run", *args]
+           os.path.join("slurm", script), config, f"checkpoint.dir={tmp_path}/run", *args]
     proc = subprocess.run(cmd, cwd=REPO, env={**slurm_env, "FSDP2_RECIPES_PREEMPT_FILE": f"{tmp_path}/preempt"},
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout, proc.stderr, open(next(tmp_path.glob("*.out"))).read() if wait else "")
@@ -76,6 +78,17 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm_env, tmp_path):
     assert starts == [0, stopped["step"]]  # the second run resumed from the preemption checkpoint
     assert [r["step"] for r in steps(records)] == list(range(1, 41))
     assert event(records, "exported")
+
+
+@pytest.mark.slurm
+def test_eval_cp_sbatch_splits_a_sequence_across_two_nodes(slurm_env, tmp_path):
+    subprocess.run([sys.executable, os.path.join(REPO, "scripts", "pretrain_fsdp.py"), "--config", TINY,
+                    f"checkpoint.dir={tmp_path}/trained", "train.steps=2"], env=env(), check=True, capture_output=True)
+    sbatch(slurm_env, tmp_path, f"model.name_or_path={tmp_path}/trained/export", "parallelism.cp_size=2",
+           "data.seq_len=256", "eval.max_sequences=2", wait=True, script="eval_cp.sh",
+           config=os.path.join(REPO, "configs", "debug_eval_cp.json"))
+    results = json.load(open(tmp_path / "run" / "eval_results.json"))
+    assert results["cp_size"] == 2 and results["tokens"] == 2 * 256
 
 
 def test_two_torchrun_agents_rendezvous_without_slurm(tmp_path):

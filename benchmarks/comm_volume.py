@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.launch import REPO, TINY, last_step, run_pretrain
+from benchmarks.launch import TINY, last_step, run_recipe
 
 OVERRIDES = ["model.config.intermediate_size=130", "metrics.comm_stats=true", "train.global_batch_size=8",
              "train.micro_batch_size=2"]
@@ -44,7 +44,7 @@ def padded_param_bytes(world: int, element_size: int = 4) -> int:
 
 
 def measure(world: int, reshard: bool, steps: int) -> dict:
-    return last_step(run_pretrain(world, [f"train.steps={steps}", f"fsdp.reshard_after_forward={str(reshard).lower()}",
+    return last_step(run_recipe(world, [f"train.steps={steps}", f"fsdp.reshard_after_forward={str(reshard).lower()}",
                                           *OVERRIDES]))
 
 

@@ -1,4 +1,4 @@
-"""Run scripts/pretrain_fsdp.py under torchrun and return its metrics.jsonl records (for the benchmarks)."""
+"""Run a training script under torchrun and return its metrics.jsonl records (for the benchmarks)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "debug_tiny.json")
 
 
-def run_pretrain(world: int, overrides: list[str], extra_env: dict | None = None) -> list[dict]:
+def run_recipe(world: int, overrides: list[str], extra_env: dict | None = None, script: str = "pretrain_fsdp.py",
+                 config: str = TINY) -> list[dict]:
     with tempfile.TemporaryDirectory() as run_dir:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               os.path.join(REPO, "scripts", "pretrain_fsdp.py"), "--config", TINY, f"checkpoint.dir={run_dir}",
+               os.path.join(REPO, "scripts", script), "--config", config, f"checkpoint.dir={run_dir}",
                "checkpoint.export=false", "metrics.tensorboard=false", *overrides]
         env = dict(os.environ, OMP_NUM_THREADS="1", **(extra_env or {}))
         subprocess.run(cmd, check=True, capture_output=True, env=env)

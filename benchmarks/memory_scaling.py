@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.launch import final, last_step, run_pretrain
+from benchmarks.launch import final, last_step, run_recipe
 
 MODEL = ["model.config.hidden_size=512", "model.config.intermediate_size=1408", "model.config.num_hidden_layers=8",
          "model.config.num_attention_heads=8", "model.config.num_key_value_heads=8", "data.seq_len=256",
@@ -29,7 +29,7 @@ def main() -> None:
     print("|---|---|---|---|")
     base = None
     for world in (1, 2, 4):
-        state = final(run_pretrain(world, MODEL))["state_bytes_per_rank"][0]
+        state = final(run_recipe(world, MODEL))["state_bytes_per_rank"][0]
         total = state["param_bytes"] + state["optimizer_bytes"]
         base = base or total
         print(f"| {world} | {state['param_bytes'] / MIB:.1f} | {state['optimizer_bytes'] / MIB:.1f} | "
@@ -43,7 +43,7 @@ def main() -> None:
                             ("activation_checkpointing=true", ["fsdp.activation_checkpointing=true"]),
                             ("reshard_after_forward=false", ["fsdp.reshard_after_forward=false"]),
                             ("cpu_offload=true", ["fsdp.cpu_offload=true"])]:
-        peak = last_step(run_pretrain(2, MODEL + overrides, env))["peak_mem_gib"]
+        peak = last_step(run_recipe(2, MODEL + overrides, env))["peak_mem_gib"]
         default = default or peak
         print(f"| {name} | {peak:.3f} | {peak / default:.2f} |", flush=True)
 

@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from common.config import ConfigError
+from common.config import Config, ConfigError, resolve_mixed_precision
+from common.model import init_weights
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TRAIN_STATE = "train_state.json"
@@ -172,8 +173,9 @@ def _check_shapes(path: str, model: nn.Module) -> None:
                               f"use a new checkpoint.dir for this model, or checkpoint.resume=none")
 
 
-def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Restore model, optimizer and RNG in place (DCP reshards to this world size); returns train_state."""
+def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> dict:
+    """Restore model, optimizer, scheduler and RNG in place (DCP reshards to this world size); returns
+    train_state (step, samples, data position)."""
     _check_shapes(path, model)
     state, param_groups = _training_state(model, optimizer)
     dcp.load(state, checkpoint_id=path)
@@ -183,7 +185,11 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     if "cuda" in state["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["rng"]["cuda"])
     with open(os.path.join(path, TRAIN_STATE)) as f:
-        return json.load(f)
+        train_state = json.load(f)
+    scheduler.load_state_dict(train_state["scheduler"])
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr  # load_state_dict restores the schedule, not the lr already applied to the optimizer
+    return train_state
 
 
 def _hf_state_dict(path: str, trust_remote_code: bool) -> dict[str, torch.Tensor]:
@@ -207,6 +213,31 @@ def load_hf_weights(model: nn.Module, path: str, broadcast_from_rank0: bool, tru
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0)
     set_model_state_dict(model, full, options=options)
     del full
+
+
+def load_weights(model: nn.Module, cfg: Config, resume_from: str | None, init_std: float) -> None:
+    """Fill a sharded, materialised model: from the resume checkpoint (later, with the optimizer: nothing
+    here), a SHARDED export, an HF checkpoint, or a fresh world-size-independent init."""
+    source = cfg.model.name_or_path
+    if resume_from:
+        return
+    if source and is_sharded_export(source):
+        load_sharded_export(model, source)  # DCP reshards to this world size
+    elif source:
+        load_hf_weights(model, source, broadcast_from_rank0=cfg.fsdp.cpu_ram_efficient_loading,
+                        trust_remote_code=cfg.model.trust_remote_code)
+    else:
+        init_weights(model, cfg.train.seed, init_std)
+
+
+def export_final(model: nn.Module, cfg: Config, tokenizer, device_type: str) -> str:
+    """The run's result in `<checkpoint.dir>/export`, per fsdp.state_dict_type; returns the path."""
+    export_dir = os.path.join(cfg.checkpoint.dir, "export")
+    if cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
+        export_full(model, export_dir, tokenizer, getattr(torch, resolve_mixed_precision(cfg.fsdp, device_type)["param_dtype"]))
+    else:
+        export_sharded(model, export_dir, tokenizer)
+    return export_dir
 
 
 def _publish(tmp: str, final: str) -> None:

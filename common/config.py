@@ -34,6 +34,9 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     dataset: str | list = "embedded"  # "embedded", local files (json/jsonl/parquet/txt), or a hub dataset name
+    # SFT (finetune_moe_ep_fsdp.py): JSONL of prompt/completion or messages records, or "arithmetic" (built in)
+    eval_dataset: str | list | None = None  # SFT held-out set, evaluated before and after training
+    eval_split: str = "test"  # its split, for a hub dataset
     dataset_config: str | None = None
     split: str = "train"
     text_field: str = "text"
@@ -65,6 +68,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile each transformer layer
     device: str = "auto"  # auto | cpu | cuda
     stop_after: int = 0  # stop (with a checkpoint) after this many steps of this run, keeping the train.steps schedule
+    router_aux_loss_coef: float | None = None  # MoE load-balancing loss weight; None: the model config's own
 
 
 @dataclass

@@ -12,6 +12,7 @@ import glob
 import hashlib
 import json
 import os
+import shutil
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -67,19 +68,20 @@ def _cache_key(cfg: DataConfig, extra: str) -> str:
     return hashlib.sha256((json.dumps(fields, sort_keys=True) + EMBEDDED_CORPUS + extra).encode()).hexdigest()[:16]
 
 
-def _local_files(cfg: DataConfig) -> list[str] | None:
-    patterns = cfg.dataset if isinstance(cfg.dataset, list) else [cfg.dataset]
+def local_files(dataset: str | list) -> list[str] | None:
+    """The local files a `data.dataset` value names (paths or globs), or None if it names none."""
+    patterns = dataset if isinstance(dataset, list) else [dataset]
     files = sorted(f for p in patterns for f in glob.glob(os.path.expanduser(p)))
     if not files:
         return None
     exts = {os.path.splitext(f)[1] for f in files}
     if len(exts) != 1 or exts.pop() not in LOCAL_FORMATS:
-        raise ConfigError(f"data.dataset {cfg.dataset!r} matches files of types {sorted({os.path.splitext(f)[1] for f in files})}; "
+        raise ConfigError(f"data.dataset {dataset!r} matches files of types {sorted({os.path.splitext(f)[1] for f in files})}; "
                           f"use one of {', '.join(LOCAL_FORMATS)}")
     return files
 
 
-def _file_fingerprint(files: list[str]) -> str:
+def file_fingerprint(files: list[str]) -> str:
     return json.dumps([(f, os.path.getsize(f), int(os.path.getmtime(f))) for f in files])
 
 
@@ -125,18 +127,25 @@ def _pack(token_lists: list[list[int]], eos_id: int, seq_len: int, pack: bool) -
     return rows
 
 
-def prepare_local_data(cfg: DataConfig, is_main: bool) -> str:
-    """Rank 0 builds (or finds) the tokenizer and the token array in the cache; returns the array's path."""
-    files = None if cfg.dataset == "embedded" else _local_files(cfg)
-    if cfg.dataset != "embedded" and files is None:
+def prepare_local_data(cfg: DataConfig, is_main: bool, build=None, tag: str = "") -> str:
+    """Rank 0 builds (or finds) the token array in the cache; returns the array's path.
+
+    build() returns the array (default: pretraining's packed documents); tag tells its cache apart.
+    """
+    files = None if cfg.dataset == "embedded" else local_files(cfg.dataset)
+    if build is None and cfg.dataset != "embedded" and files is None:
         raise ConfigError(f"data.dataset {cfg.dataset!r} matches no local file; for a hub dataset set "
                           f"data.streaming=true")
-    key = _cache_key(cfg, _file_fingerprint(files) if files else "")
+    key = _cache_key(cfg, (file_fingerprint(files) if files else "") + tag)
     tokens_path = os.path.join(os.path.expanduser(cfg.cache_dir), f"tokens-{key}.npy")
     error = None
     if is_main and not os.path.exists(tokens_path):
         try:
-            _tokenize_to(tokens_path, cfg, files)
+            rows = build() if build else _tokenize(cfg, files)
+            os.makedirs(os.path.dirname(tokens_path), exist_ok=True)
+            tmp = f"{tokens_path}.tmp{os.getpid()}.npy"
+            np.save(tmp, rows)
+            os.replace(tmp, tokens_path)
         except ConfigError as e:
             error = str(e)
     if dist.is_initialized():
@@ -149,17 +158,14 @@ def prepare_local_data(cfg: DataConfig, is_main: bool) -> str:
     return tokens_path
 
 
-def _tokenize_to(tokens_path: str, cfg: DataConfig, files: list[str] | None) -> None:
-    os.makedirs(os.path.dirname(tokens_path), exist_ok=True)
+def _tokenize(cfg: DataConfig, files: list[str] | None) -> np.ndarray:
     tokenizer = load_tokenizer(cfg)
     ids = tokenizer(_documents(cfg, files), add_special_tokens=False)["input_ids"]
     rows = _pack(ids, tokenizer.eos_token_id, cfg.seq_len, cfg.pack)
     if len(rows) == 0:
         raise ConfigError(f"data.dataset {cfg.dataset!r} yields no sample of data.seq_len={cfg.seq_len} tokens; "
                           f"lower data.seq_len or add data")
-    tmp = f"{tokens_path}.tmp{os.getpid()}.npy"
-    np.save(tmp, rows)
-    os.replace(tmp, tokens_path)
+    return rows
 
 
 @dataclass
@@ -167,6 +173,8 @@ class Batch:
     input_ids: torch.Tensor  # [micro_batch, seq_len]
     labels: torch.Tensor  # [micro_batch, seq_len], -100 where no loss is taken
     sample_ids: list[int]  # global sample positions, for tests and resumption
+    position_ids: torch.Tensor | None = None  # SFT: restart at 0 per packed example
+    token_mask: torch.Tensor | None = None  # SFT: True for real tokens, False for padding
 
 
 class LocalBatches:
@@ -226,7 +234,7 @@ class StreamingBatches:
         import datasets
         from datasets.distributed import split_dataset_by_node
 
-        files = _local_files(cfg)
+        files = local_files(cfg.dataset)
         try:
             if files:
                 ds = datasets.load_dataset(LOCAL_FORMATS[os.path.splitext(files[0])[1]], data_files=files,
@@ -287,7 +295,10 @@ def ensure_embedded_tokenizer(cfg: DataConfig, is_main: bool) -> None:
         os.makedirs(os.path.dirname(tok_dir), exist_ok=True)
         tmp = f"{tok_dir}.tmp{os.getpid()}"
         _train_embedded_tokenizer(_embedded_documents(cfg.embedded_max_bytes), cfg.embedded_vocab_size, tmp)
-        os.replace(tmp, tok_dir)
+        try:
+            os.replace(tmp, tok_dir)
+        except OSError:  # another job sharing the cache finished first; its tokenizer is the same
+            shutil.rmtree(tmp, ignore_errors=True)
     if dist.is_initialized():
         dist.barrier()
 

@@ -25,6 +25,13 @@ class Dist:
         return self.rank == 0
 
 
+def gather(obj) -> list:
+    """One small picklable object per rank, as a list on every rank (for per-rank logs)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def resolve_device(preference: str) -> torch.device:
     if preference == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device is 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
@@ -73,3 +80,57 @@ def build_dp_mesh(device_type: str, dp_replicate: int, dp_shard: int) -> DeviceM
     if dp_replicate == 1:
         return init_device_mesh(device_type, (dp_shard,), mesh_dim_names=("dp_shard",))
     return init_device_mesh(device_type, (dp_replicate, dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+@dataclass
+class MoeSizes:
+    """Transformers' DistributedConfig layout: dense (dp_replicate, fsdp, tp), experts (dp_replicate, efsdp, ep)."""
+    dp_replicate: int
+    fsdp: int
+    tp: int
+    ep: int
+
+    @property
+    def efsdp(self) -> int:
+        return self.fsdp * self.tp // self.ep  # both views cover the same ranks
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.fsdp  # ranks that see distinct batches
+
+
+def resolve_moe_sizes(p: ParallelismConfig, world_size: int, num_experts: int) -> MoeSizes:
+    for key in ("cp_size", "sp_size"):
+        if getattr(p, key) != 1:
+            raise ConfigError(f"parallelism.{key} is {getattr(p, key)} but finetune_moe_ep_fsdp.py has no context "
+                              f"parallelism; set it to 1")
+    if p.dp_shard_size != -1:
+        raise ConfigError(f"parallelism.dp_shard_size is {p.dp_shard_size}; finetune_moe_ep_fsdp.py uses "
+                          f"Transformers' name for it, set parallelism.fsdp_size instead")
+    if p.dp_replicate_size == -1:
+        raise ConfigError("parallelism.dp_replicate_size is -1; give the number of replicas (e.g. nodes)")
+    replicate, tp, ep = p.dp_replicate_size, p.tp_size, p.ep_size
+    fsdp = world_size // (replicate * tp) if p.fsdp_size == -1 else p.fsdp_size
+    if replicate * fsdp * tp != world_size:
+        raise ConfigError(f"parallelism.dp_replicate_size ({replicate}) x fsdp_size ({p.fsdp_size}) x tp_size ({tp}) "
+                          f"does not cover the world size {world_size}; make the product {world_size} or set "
+                          f"fsdp_size=-1")
+    if ep % tp:
+        # Transformers allows ep=1 with tp>1, tensor-sharding fused experts in a packed layout that DCP
+        # checkpoints and full exports cannot represent (overlapping chunks), so we do not.
+        raise ConfigError(f"parallelism.ep_size ({ep}) is not a multiple of tp_size ({tp}); experts are never "
+                          f"tensor-parallel here, so set ep_size to a multiple of {tp}")
+    if (fsdp * tp) % ep:
+        raise ConfigError(f"parallelism.ep_size ({ep}) does not divide fsdp_size x tp_size ({fsdp} x {tp}); pick "
+                          f"an ep_size that divides {fsdp * tp}")
+    if num_experts % ep:
+        raise ConfigError(f"parallelism.ep_size ({ep}) does not divide the model's {num_experts} experts; pick an "
+                          f"ep_size that divides {num_experts}")
+    return MoeSizes(replicate, fsdp, tp, ep)
+
+
+def build_moe_meshes(device_type: str, s: MoeSizes) -> tuple[DeviceMesh, DeviceMesh]:
+    """Two views of the same ranks, as Transformers builds them: dense and expert."""
+    dense = init_device_mesh(device_type, (s.dp_replicate, s.fsdp, s.tp), mesh_dim_names=("dp_replicate", "fsdp", "tp"))
+    expert = init_device_mesh(device_type, (s.dp_replicate, s.efsdp, s.ep), mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+    return dense, expert

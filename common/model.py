@@ -17,9 +17,11 @@ from common.config import ConfigError, ModelConfig
 def load_model_config(cfg: ModelConfig) -> PretrainedConfig:
     if not cfg.name_or_path:
         try:
+            if "model_type" in cfg.config:  # any architecture, e.g. a tiny qwen3_moe
+                return AutoConfig.for_model(**cfg.config)
             return LlamaConfig(**cfg.config)
         except (TypeError, ValueError) as e:
-            raise ConfigError(f"model.config is not a valid LlamaConfig: {e}") from None
+            raise ConfigError(f"model.config is not a valid {cfg.config.get('model_type', 'llama')} config: {e}") from None
     try:
         hf_config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:

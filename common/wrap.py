@@ -53,11 +53,13 @@ def _tied_parameter_owners(model: nn.Module) -> set[nn.Module]:
     return owners
 
 
-def plan_units(model: nn.Module, fsdp: FsdpConfig, layer_classes: set[str]) -> list[list[nn.Module]]:
+def plan_units(model: nn.Module, fsdp: FsdpConfig, layer_classes: set[str],
+               sharded: set[nn.Module] = frozenset()) -> list[list[nn.Module]]:
     """The FSDP units below the root, in the order `fully_shard` is called (the root comes last).
 
     A unit is a list of modules that share one all-gather. Tied parameters must live in one unit, so
-    their owners are never split off: they stay with the root.
+    their owners are never split off: they stay with the root. `sharded` modules (experts, already on
+    their own mesh) are neither units here nor counted in a SIZE_BASED_WRAP size.
     """
     tied = _tied_parameter_owners(model)
     if fsdp.auto_wrap_policy == "NO_WRAP":
@@ -76,9 +78,9 @@ def plan_units(model: nn.Module, fsdp: FsdpConfig, layer_classes: set[str]) -> l
         return units
     # SIZE_BASED_WRAP: bottom-up, wrap a module once its not-yet-wrapped parameters reach the threshold.
     # Containers are skipped because fully_shard cannot hook a ModuleList/ModuleDict's forward.
-    units, claimed = [], set()
+    units, claimed = [], {id(p) for m in sharded for p in m.parameters()}
     for module in _post_order(model):
-        if module is model or isinstance(module, (nn.ModuleList, nn.ModuleDict)) or module in tied:
+        if module is model or isinstance(module, (nn.ModuleList, nn.ModuleDict)) or module in tied or module in sharded:
             continue
         if any(sub in tied for sub in module.modules()):
             continue
@@ -101,8 +103,12 @@ def _post_order(module: nn.Module):
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, fsdp: FsdpConfig, device_type: str,
-               compile_layers: bool = False) -> int:
-    """Shard `model` in place per the fsdp config; returns the number of FSDP units (root included)."""
+               compile_layers: bool = False, experts: list[nn.Module] = (), expert_mesh: DeviceMesh | None = None) -> int:
+    """Shard `model` in place per the fsdp config; returns the number of FSDP units (root included).
+
+    `experts` (expert-parallel modules) each become a unit on `expert_mesh`, whatever the wrap policy:
+    their parameters are already split over `ep`, and FSDP shards them further over the mesh's other dims.
+    """
     layer_classes = resolve_layer_classes(model, fsdp)
     if fsdp.activation_checkpointing:
         # Non-reentrant AC per transformer layer, applied before fully_shard so FSDP hooks see the wrapper.
@@ -118,7 +124,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, fsdp: FsdpConfig, device_type
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if fsdp.cpu_offload else OffloadPolicy()
     kwargs = dict(mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward, mp_policy=mp_policy,
                   offload_policy=offload)
-    units = plan_units(model, fsdp, layer_classes)
+    for module in experts:
+        fully_shard(module, **{**kwargs, "mesh": expert_mesh})
+    units = plan_units(model, fsdp, layer_classes, set(experts))
     for unit in units:
         fully_shard(unit if len(unit) > 1 else unit[0], **kwargs)
     fully_shard(model, **kwargs)
@@ -128,4 +136,4 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, fsdp: FsdpConfig, device_type
         # averaged. Forcing SUM also avoids PREMUL_SUM/AVG, which gloo lacks.
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
-    return len(units) + 1
+    return len(experts) + len(units) + 1

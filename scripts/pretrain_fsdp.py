@@ -22,21 +22,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from common.checkpoint import (
-    export_full,
-    export_sharded,
-    find_resume_checkpoint,
-    is_sharded_export,
-    load_checkpoint,
-    load_hf_weights,
-    load_sharded_export,
     PreemptionWatch,
     check_shared_storage,
+    export_final,
+    find_resume_checkpoint,
+    load_checkpoint,
+    load_weights,
     maybe_inject_fault,
     save_checkpoint,
 )
-from common.config import Config, ConfigError, parse_args, run_cli, resolve_mixed_precision, to_dict
+from common.config import ConfigError, parse_args, resolve_mixed_precision, run_cli, to_dict
 from common.data import build_batches
-from common.mesh import build_dp_mesh, init_distributed, resolve_dp_sizes
+from common.mesh import build_dp_mesh, gather, init_distributed, resolve_dp_sizes
 from common.metrics import (
     CommCounter,
     MetricsLogger,
@@ -47,35 +44,11 @@ from common.metrics import (
     reset_peak_memory,
     sharded_state_bytes,
 )
-from common.model import build_meta_model, init_buffers, init_weights, load_model_config
+from common.model import build_meta_model, init_buffers, load_model_config
+from common.optim import build_optimizer, clip_grad_norm_, lr_multiplier
 from common.wrap import apply_fsdp, resolve_layer_classes
 
 GIB = 2**30
-
-
-def lr_multiplier(step: int, cfg: Config) -> float:
-    """Linear warmup, then cosine (or warmup-stable-decay) down to min_lr_ratio."""
-    t = cfg.train
-    if step < t.warmup_steps:
-        return (step + 1) / t.warmup_steps
-    if t.lr_schedule == "wsd":
-        decay_start = int(t.steps * (1 - t.wsd_decay_ratio))
-        if step < decay_start:
-            return 1.0
-        progress = (step - decay_start) / max(1, t.steps - decay_start)
-        return 1.0 - (1.0 - t.min_lr_ratio) * progress
-    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
-    return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
-    # No weight decay on norms and biases (1-D), as in Llama and torchtitan.
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = device.type == "cuda" and not cfg.fsdp.cpu_offload
-    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=tuple(cfg.train.betas), eps=cfg.train.eps,
-                             fused=fused or None, foreach=None if fused else True)
 
 
 def token_loss_sum(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -98,12 +71,11 @@ def train_step(model, optimizer, micro_batches, device, max_grad_norm: float) ->
         loss = token_loss_sum(model, batch.input_ids.to(device), batch.labels.to(device))
         (loss / global_tokens.float()).backward()
         loss_sum += loss.detach()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     dist.all_reduce(loss_sum)
-    return (loss_sum / global_tokens).item(), grad_norm.item(), int(global_tokens.item())
+    return (loss_sum / global_tokens).item(), grad_norm, int(global_tokens.item())
 
 
 @torch.no_grad()
@@ -112,12 +84,6 @@ def fixed_batch_loss(model, batch, device) -> float:
     loss = token_loss_sum(model, batch.input_ids.to(device), batch.labels.to(device))
     return (loss / (batch.labels != -100).sum()).item()
 
-
-def gather(obj, world_size: int) -> list:
-    """One small picklable object per rank, as a list on every rank."""
-    out = [None] * world_size
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -156,26 +122,15 @@ def main(argv: list[str] | None = None) -> None:
     model.to_empty(device=param_device)
     init_buffers(model, d.device)
     resume_from = find_resume_checkpoint(run_dir, cfg.checkpoint.resume)
-    if resume_from:
-        pass  # the weights come from the resume checkpoint, loaded with the optimizer below
-    elif cfg.model.name_or_path and is_sharded_export(cfg.model.name_or_path):
-        load_sharded_export(model, cfg.model.name_or_path)  # DCP reshards to this world size
-    elif cfg.model.name_or_path:
-        load_hf_weights(model, cfg.model.name_or_path, broadcast_from_rank0=cfg.fsdp.cpu_ram_efficient_loading,
-                        trust_remote_code=cfg.model.trust_remote_code)
-    else:
-        init_weights(model, t.seed, hf_config.initializer_range)
+    load_weights(model, cfg, resume_from, hf_config.initializer_range)  # resume: weights come with the optimizer
     model.train()
-    load_peaks = gather(peak_memory_bytes(d.device) / GIB, d.world_size)
+    load_peaks = gather(peak_memory_bytes(d.device) / GIB)
     reset_peak_memory(d.device)
     optimizer = build_optimizer(model, cfg, d.device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
     start_step, samples = 0, 0  # samples: the global data position, so a resume on any world size continues it
     if resume_from:
-        state = load_checkpoint(resume_from, model, optimizer)
-        scheduler.load_state_dict(state["scheduler"])
-        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-            group["lr"] = lr  # load_state_dict restores the schedule, not the lr already applied to the optimizer
+        state = load_checkpoint(resume_from, model, optimizer, scheduler)
         data.load_state_dict(state["data"], d.rank)
         start_step, samples = state["step"], state["samples"]
 
@@ -220,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
                 if cfg.metrics.comm_stats:
                     record.update(comm.reset())
                 if cfg.metrics.sample_ids:
-                    record["sample_ids"] = gather([i for b in micro_batches for i in b.sample_ids], d.world_size)
+                    record["sample_ids"] = gather([i for b in micro_batches for i in b.sample_ids])
                 logger.log(record)
             else:
                 timer.tokens_since += tokens
@@ -229,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
             interval = cfg.checkpoint.interval
             if (interval and step % interval == 0) or step == t.steps or stopping:
                 train_state = {"step": step, "samples": samples, "world_size": d.world_size, "loss": loss,
-                               "scheduler": scheduler.state_dict(), "data": gather(data.state_dict(), d.world_size)}
+                               "scheduler": scheduler.state_dict(), "data": gather(data.state_dict())}
                 path = save_checkpoint(run_dir, step, model, optimizer, train_state, cfg.checkpoint.keep_latest)
                 logger.log({"event": "checkpoint", "step": step, "path": path})
             if stopping and step < t.steps:
@@ -238,18 +193,13 @@ def main(argv: list[str] | None = None) -> None:
                 dist.destroy_process_group()
                 return
 
-    final = {"event": "final", "state_bytes_per_rank": gather(sharded_state_bytes(model, optimizer), d.world_size)}
+    final = {"event": "final", "state_bytes_per_rank": gather(sharded_state_bytes(model, optimizer))}
     if not cfg.data.streaming:
         final["fixed_batch_loss"] = fixed_batch_loss(model, data.fixed_batch(t.micro_batch_size), d.device)
     logger.log(final)
     if cfg.checkpoint.export:
-        export_dir = os.path.join(run_dir, "export")
-        if cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
-            dtype = getattr(torch, resolve_mixed_precision(cfg.fsdp, d.device.type)["param_dtype"])
-            export_full(model, export_dir, tokenizer, dtype)
-        else:
-            export_sharded(model, export_dir, tokenizer)
-        logger.log({"event": "exported", "path": export_dir, "state_dict_type": cfg.fsdp.state_dict_type})
+        path = export_final(model, cfg, tokenizer, d.device.type)
+        logger.log({"event": "exported", "path": path, "state_dict_type": cfg.fsdp.state_dict_type})
     logger.close()
     dist.destroy_process_group()
 

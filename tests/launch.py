@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "debug_tiny.json")
+
+
+def free_port() -> int:
+    """For launchers that default to port 29500: tests run in parallel (pytest-xdist) must not share it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def env(**extra: str) -> dict:

@@ -5,9 +5,9 @@ import os
 
 import pytest
 import yaml
-from launch import REPO, TINY, event, pretrain, read_metrics, run
+from launch import REPO, TINY, event, free_port, pretrain, read_metrics, run
 
-from common.config import ConfigError, load_config, run_cli
+from common.config import load_config, run_cli
 
 pretrain_script = None
 
@@ -157,7 +157,7 @@ def test_accelerate_launch_runs_fsdp2_on_two_cpu_processes(tmp_path):
     acc = tmp_path / "default_config.yaml"
     acc.write_text(yaml.safe_dump(doc))
     run("pretrain_fsdp.py", ["--config", TINY, f"checkpoint.dir={tmp_path}/run", "train.steps=2"],
-        launcher=["accelerate", "launch", "--config_file", str(acc)])
+        launcher=["accelerate", "launch", "--config_file", str(acc), "--main_process_port", str(free_port())])
     records = read_metrics(tmp_path / "run")
     assert event(records, "model_ready")["world_size"] == 2
     resolved = json.load(open(tmp_path / "run" / "run_config.json"))["fsdp"]

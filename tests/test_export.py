@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from launch import event, pretrain, read_metrics
+from launch import event, pretrain
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from common.config import DataConfig

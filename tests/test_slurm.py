@@ -91,6 +91,17 @@ def test_eval_cp_sbatch_splits_a_sequence_across_two_nodes(slurm_env, tmp_path):
     assert results["cp_size"] == 2 and results["tokens"] == 2 * 256
 
 
+@pytest.mark.slurm
+def test_moe_sbatch_runs_expert_parallel_across_two_nodes(slurm_env, tmp_path):
+    """ep=2 over one rank per node: every MoE layer's all-to-all crosses the (loopback) nodes."""
+    sbatch(slurm_env, tmp_path, "parallelism.ep_size=2", "train.steps=3", "metrics.log_every=1", wait=True,
+           script="moe_ep.sh", config=os.path.join(REPO, "configs", "debug_moe.json"))
+    records = read_metrics(tmp_path / "run")
+    layout = event(records, "model_ready")["expert_layout_per_rank"]
+    assert [r["mesh"] for r in layout] == [{"efsdp": 1, "ep": 2}] * 2 and len(losses(records)) == 3
+    assert (tmp_path / "run" / "export" / "model.safetensors").exists()
+
+
 def test_two_torchrun_agents_rendezvous_without_slurm(tmp_path):
     """The README's multi-node recipe, two agents on one host: --nnodes 2 with a c10d rendezvous."""
     port = 29000 + os.getpid() % 1000

@@ -54,8 +54,8 @@ def test_transformer_based_wrap_gives_layers_embedding_norm_head_and_root():
 def test_empty_layer_list_means_no_split_modules_and_explicit_list_is_used():
     default = units(shard(tiny_llama(), transformer_layer_cls_to_wrap=[]))
     explicit = units(shard(tiny_llama(), transformer_layer_cls_to_wrap=["LlamaMLP"]))
-    assert [f"model.layers.0"] in default
-    assert [f"model.layers.0.mlp"] in explicit and [f"model.layers.0"] not in explicit
+    assert ["model.layers.0"] in default
+    assert ["model.layers.0.mlp"] in explicit and ["model.layers.0"] not in explicit
 
 
 def test_tied_embeddings_stay_in_one_unit():

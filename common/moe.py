@@ -1,0 +1,91 @@
+"""Mixture-of-experts: tensor and expert parallelism from Transformers' own plans, and router statistics.
+
+Transformers 5.24 ships, per model, a TP plan and an EP plan (experts `Shard(0)` over `ep`, tokens
+reaching them through an all-to-all). We apply exactly those, then FSDP with our own `fsdp` keys
+(common/wrap.py): `from_pretrained(distributed_config=...)` would also shard, but with its fixed plan,
+reading the full checkpoint on every rank and without our wrap/reshard/AC/offload choices.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from transformers import DistributedConfig
+from transformers.distributed.expert_parallel import apply_expert_parallelism
+from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
+from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+from common.config import ConfigError
+from common.mesh import MoeSizes
+
+DISPATCH = "ep_dispatch_experts"  # the EP plan's style for the modules that hold all experts of a layer
+
+
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules the model's EP plan routes tokens to, one per MoE layer (e.g. layers.N.mlp.experts)."""
+    dispatched = {name for name, style in (getattr(model, "ep_plan", None) or {}).items() if style == DISPATCH}
+    return [m for name, m in model.named_modules() if replace_layer_number_by_wildcard(name) in dispatched]
+
+
+def check_moe(model: nn.Module, name: str) -> tuple[int, Callable]:
+    """(number of experts, the model's load-balancing loss function), or a one-line error for a dense model."""
+    experts = expert_modules(model)
+    module = importlib.import_module(type(model).__module__)
+    aux_loss = getattr(module, "load_balancing_loss_func", None)
+    records_router = "router_logits" in (getattr(type(model.base_model), "_can_record_outputs", None) or {})
+    if not experts or aux_loss is None or not records_router:
+        raise ConfigError(f"model {name} is a {type(model).__name__}, not a mixture-of-experts model with an expert "
+                          f"plan; use scripts/pretrain_fsdp.py for dense models, or a Qwen3-MoE/Mixtral-style MoE")
+    return next(experts[0].parameters()).shape[0], aux_loss
+
+
+def apply_tp_ep(model: nn.Module, sizes: MoeSizes, dense_mesh: DeviceMesh, expert_mesh: DeviceMesh) -> list[nn.Module]:
+    """Tensor-parallel dense layers and expert-parallel experts, on `meta`; returns the modules FSDP must
+    shard over the expert mesh (none without EP: experts are then ordinary layer parameters)."""
+    layout = DistributedConfig(dp_replicate_size=sizes.dp_replicate, fsdp_size=sizes.fsdp, tp_size=sizes.tp,
+                               ep_size=sizes.ep)
+    try:
+        # Private, hence the pinned Transformers: it merges class and config plans and expands `layers.*`.
+        tp_plan, ep_plan, _ = model._resolve_parallel_plans(layout)
+    except ValueError as e:
+        raise ConfigError(f"parallelism sizes do not fit this model: {e}") from None
+    if sizes.tp > 1:
+        apply_tensor_parallelism(model, dense_mesh["tp"], tp_plan)
+    if sizes.ep == 1:
+        return []
+    # The EP group's ranks exchange tokens; tp ranks holding the same batch split it first, so no token
+    # is computed twice (see AllToAllEP in Transformers).
+    apply_expert_parallelism(model, expert_mesh["ep"], dense_mesh["tp"], ep_plan, ep_implementation="auto")
+    return expert_modules(model)
+
+
+class RouterLogits:
+    """Collects every router's logits during a forward, through hooks on the router class the model declares
+    for its own `router_logits` output. (That output is keyed on class names, which FSDP wrapping changes,
+    so under SIZE_BASED_WRAP it silently comes back empty.)"""
+
+    def __init__(self, model: nn.Module):
+        spec = type(model.base_model)._can_record_outputs["router_logits"]
+        self.logits: list[torch.Tensor] = []
+        for module in model.modules():
+            if isinstance(module, spec.target_class):
+                module.register_forward_hook(lambda _, __, out: self.logits.append(out[spec.index]))
+
+    def take(self) -> tuple[torch.Tensor, ...]:
+        """This forward's logits, one [tokens, experts] tensor per MoE layer. Call once after each forward;
+        activation checkpointing's recompute in backward appends again, which the next take() discards."""
+        out, self.logits = tuple(self.logits), []
+        return out
+
+
+def router_load(router_logits: tuple[torch.Tensor, ...], top_k: int, valid: torch.Tensor) -> torch.Tensor:
+    """[moe layers, experts]: how many real (non-padding) tokens each layer routed to each expert."""
+    counts = []
+    for logits in router_logits:
+        chosen = logits.detach()[valid.flatten()].topk(top_k, dim=-1).indices
+        counts.append(torch.bincount(chosen.flatten(), minlength=logits.shape[-1]))
+    return torch.stack(counts)

@@ -234,7 +234,8 @@ def export_final(model: nn.Module, cfg: Config, tokenizer, device_type: str) -> 
     """The run's result in `<checkpoint.dir>/export`, per fsdp.state_dict_type; returns the path."""
     export_dir = os.path.join(cfg.checkpoint.dir, "export")
     if cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
-        export_full(model, export_dir, tokenizer, getattr(torch, resolve_mixed_precision(cfg.fsdp, device_type)["param_dtype"]))
+        dtype = getattr(torch, resolve_mixed_precision(cfg.fsdp, device_type)["param_dtype"])
+        export_full(model, export_dir, tokenizer, dtype)
     else:
         export_sharded(model, export_dir, tokenizer)
     return export_dir

@@ -56,11 +56,21 @@ def init_distributed(device_preference: str, timeout_minutes: float) -> Dist:
 
 
 def resolve_dp_sizes(p: ParallelismConfig, world_size: int) -> tuple[int, int]:
-    """(dp_replicate, dp_shard) for HSDP; -1 in either means "the rest of the world"."""
-    for key in ("ep_size", "tp_size", "cp_size", "sp_size"):
+    """(dp_replicate, dp_shard) for HSDP; -1 in either means "the rest of the world".
+
+    With context parallelism the cp ranks of a data-parallel group share a batch, so the data-parallel
+    sizes cover world_size / cp_size ranks (FSDP still shards the weights over dp_shard x cp).
+    """
+    for key in ("ep_size", "tp_size", "sp_size"):
         if getattr(p, key) != 1:
-            raise ConfigError(f"parallelism.{key} is {getattr(p, key)} but pretrain_fsdp.py is data parallel only; "
-                              f"set it to 1 (EP/TP: finetune_moe_ep_fsdp.py, CP: eval_cp.py)")
+            raise ConfigError(f"parallelism.{key} is {getattr(p, key)} but pretrain_fsdp.py has no expert or "
+                              f"tensor parallelism; set it to 1 (EP/TP: finetune_moe_ep_fsdp.py)")
+    if p.cp_size > 1 and p.dp_replicate_size != 1:
+        raise ConfigError(f"parallelism.cp_size={p.cp_size} with dp_replicate_size={p.dp_replicate_size}: CP "
+                          f"training shards over one FSDP dimension here; set dp_replicate_size=1")
+    if world_size % p.cp_size:
+        raise ConfigError(f"parallelism.cp_size={p.cp_size} does not divide the world size {world_size}")
+    world_size //= p.cp_size
     replicate, shard = p.dp_replicate_size, p.dp_shard_size
     if replicate == -1 and shard == -1:
         raise ConfigError("parallelism.dp_replicate_size and dp_shard_size are both -1; give at least one")

@@ -23,57 +23,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.nn.functional import all_gather
-from transformers import AttentionInterface
 
+from common import cp
 from common.checkpoint import is_sharded_export, load_hf_weights, load_sharded_export
-from common.config import Config, ConfigError, parse_args, run_cli
+from common.config import ConfigError, parse_args, run_cli
 from common.data import build_batches
-from common.mesh import build_dp_mesh, init_distributed
+from common.mesh import build_dp_mesh, gather, init_distributed
 from common.metrics import peak_memory_bytes, reset_peak_memory
 from common.model import build_meta_model, init_buffers, load_model_config
 from common.wrap import apply_fsdp, resolve_layer_classes
-
-# The cp group and the global positions of this rank's queries and of all keys, set per batch. The attention
-# function is called by the model's own layers, so it can only read them from here.
-CP: dict = {}
-
-
-def allgather_kv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Causal attention over a sequence sharded across the cp group: gather K and V, mask by global position.
-
-    torch's context_parallel needs CUDA SDPA kernels (on CPU it has no sharding strategy for
-    _scaled_dot_product_flash_attention_for_cpu); this works on any device and in backward (autograd all-gather).
-    """
-    if CP["size"] > 1:
-        key = torch.cat(all_gather(key.contiguous(), group=CP["group"]), dim=2)
-        value = torch.cat(all_gather(value.contiguous(), group=CP["group"]), dim=2)
-    mask = CP["query_positions"][:, None] >= CP["key_positions"][None, :]
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
-                                         enable_gqa=query.shape[1] != key.shape[1])
-    return out.transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register("cp_allgather", allgather_kv_attention)
-
-
-def shard_positions(seq_len: int, cp_size: int, cp_rank: int, load_balance: bool) -> torch.Tensor:
-    """The positions a cp rank holds: chunk r, or chunks r and 2cp-1-r (head-tail) to balance causal work."""
-    if not load_balance:
-        return torch.arange(seq_len).chunk(cp_size)[cp_rank]
-    chunks = torch.arange(seq_len).chunk(2 * cp_size)
-    return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]])
-
-
-def check_lengths(cfg: Config) -> None:
-    cp, seq_len = cfg.parallelism.cp_size, cfg.data.seq_len
-    multiple = 2 * cp if cfg.eval.load_balance else cp
-    if seq_len % multiple:
-        lower, upper = seq_len // multiple * multiple, (seq_len // multiple + 1) * multiple
-        nearest = f"{lower} or {upper}" if lower else str(upper)
-        raise ConfigError(f"data.seq_len={seq_len} is not divisible by {multiple} (cp_size={cp}"
-                          f"{', x2 for eval.load_balance' if cfg.eval.load_balance else ''}); use {nearest}")
-
 
 @torch.no_grad()
 def head_loss(model, hidden: torch.Tensor, labels: torch.Tensor, chunk: int) -> tuple[float, int, int]:
@@ -94,16 +52,10 @@ def head_loss(model, hidden: torch.Tensor, labels: torch.Tensor, chunk: int) -> 
     return loss_sum, valid, correct
 
 
-def gather_peaks(device: torch.device, world_size: int) -> list[float]:
-    peaks = [None] * world_size
-    dist.all_gather_object(peaks, peak_memory_bytes(device) / 2**30)
-    return peaks
-
-
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv, description=__doc__)
     p, e = cfg.parallelism, cfg.eval
-    check_lengths(cfg)
+    cp.check_cp(cfg.data.seq_len, p.cp_size, e.load_balance)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if world_size % p.cp_size:
         raise ConfigError(f"parallelism.cp_size={p.cp_size} does not divide the world size {world_size}")
@@ -115,8 +67,9 @@ def main(argv: list[str] | None = None) -> None:
         raise ConfigError("data.streaming is true; eval_cp.py evaluates local data (the embedded corpus or files)")
     if cfg.data.tokenizer is None and os.path.exists(os.path.join(cfg.model.name_or_path, "tokenizer_config.json")):
         cfg.data.tokenizer = cfg.model.name_or_path  # evaluate with the tokenizer the checkpoint was trained with
-    cfg.model.attn_implementation = "cp_allgather"
+    cfg.model.attn_implementation = cp.ATTENTION
     hf_config = load_model_config(cfg.model)
+    cp.check_cp(cfg.data.seq_len, p.cp_size, e.load_balance, hf_config)
     model = build_meta_model(hf_config, cfg.model)
     resolve_layer_classes(model, cfg.fsdp)
 
@@ -136,14 +89,12 @@ def main(argv: list[str] | None = None) -> None:
         load_hf_weights(model, cfg.model.name_or_path, cfg.fsdp.cpu_ram_efficient_loading, cfg.model.trust_remote_code)
     model.eval()
     reset_peak_memory(d.device)
+    loaded = gather(peak_memory_bytes(d.device) / 2**30)  # right after the reset: memory held before evaluating
     hidden = {}
     model.get_decoder().register_forward_hook(lambda module, args, out: hidden.update(last=out.last_hidden_state))
 
     L = cfg.data.seq_len
-    positions = shard_positions(L, p.cp_size, cp_rank, e.load_balance)
-    CP.update(size=p.cp_size, group=mesh.get_group("cp"), query_positions=positions.to(d.device),
-              key_positions=torch.cat([shard_positions(L, p.cp_size, r, e.load_balance)
-                                       for r in range(p.cp_size)]).to(d.device))
+    positions = cp.setup(L, p.cp_size, cp_rank, mesh.get_group("cp"), e.load_balance, d.device)
     num = min(e.max_sequences, len(data.rows))
     per_step = dp_size * e.batch_size
     totals = torch.zeros(3, dtype=torch.float64)  # loss sum, valid tokens, correct tokens
@@ -165,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     results = {"eval_loss": loss_sum / tokens, "perplexity": math.exp(loss_sum / tokens), "accuracy": correct / tokens,
                "tokens": int(tokens), "sequences": num, "seq_len": L, "cp_size": p.cp_size, "dp_size": dp_size,
                "load_balance": e.load_balance, "tokens_per_s": tokens / (time.perf_counter() - start_time),
-               "peak_mem_gib_per_rank": gather_peaks(d.device, d.world_size)}
+               "mem_after_load_gib_per_rank": loaded,
+               "peak_mem_gib_per_rank": gather(peak_memory_bytes(d.device) / 2**30)}
     if d.is_main:
         os.makedirs(cfg.checkpoint.dir, exist_ok=True)
         with open(os.path.join(cfg.checkpoint.dir, "eval_results.json"), "w") as f:

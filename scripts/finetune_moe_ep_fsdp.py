@@ -106,7 +106,8 @@ def train_step(model, optimizer, micro_batches, loss_fn: MoeLoss, device, max_gr
     ce_sum, aux_sum, load = (global_sum(x, tp) for x in (ce_sum, aux_sum, load.double()))
     return {"loss": (ce_sum / global_tokens).item(), "router_aux_loss": (aux_sum / global_tokens).item(),
             "grad_norm": grad_norm, "tokens": int(global_tokens.item()), "tokens_processed": int(processed.item()),
-            "tokens_per_expert_max": load.max(dim=1).values.tolist(), "tokens_per_expert_mean": load.mean(dim=1).tolist()}
+            "tokens_per_expert_max": load.max(dim=1).values.tolist(),
+            "tokens_per_expert_mean": load.mean(dim=1).tolist()}
 
 
 @torch.no_grad()
@@ -151,7 +152,9 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.data.dataset == "embedded":
         raise ConfigError("data.dataset is 'embedded' (pretraining text); give SFT JSONL or 'arithmetic'")
     resolve_layer_classes(model, cfg.fsdp)
-    coef = t.router_aux_loss_coef if t.router_aux_loss_coef is not None else getattr(hf_config, "router_aux_loss_coef", 0.0)
+    coef = t.router_aux_loss_coef
+    if coef is None:
+        coef = getattr(hf_config, "router_aux_loss_coef", 0.0)
 
     # Two views of the same ranks: dense (dp_replicate, fsdp, tp) and expert (dp_replicate, efsdp, ep).
     d = init_distributed(t.device, cfg.parallelism.timeout_minutes)
@@ -225,7 +228,8 @@ def main(argv: list[str] | None = None) -> None:
             scheduler.step()
             if step % cfg.metrics.log_every == 0 or step == t.steps:
                 record = {"step": step, **stats, "lr": lr, "samples": samples,
-                          **timer.record(step - start_step, stats["tokens_processed"]), "peak_mem_gib": peak_memory_bytes(d.device) / GIB}
+                          **timer.record(step - start_step, stats["tokens_processed"]),
+                          "peak_mem_gib": peak_memory_bytes(d.device) / GIB}
                 if cfg.metrics.comm_stats:
                     record.update(comm.reset())
                 logger.log(record)
@@ -240,7 +244,8 @@ def main(argv: list[str] | None = None) -> None:
                 path = save_checkpoint(run_dir, step, model, optimizer, train_state, cfg.checkpoint.keep_latest)
                 logger.log({"event": "checkpoint", "step": step, "path": path})
             if stopping and step < t.steps:
-                logger.log({"event": "stopped", "step": step, "reason": "preempted" if preempted else "train.stop_after"})
+                reason = "preempted" if preempted else "train.stop_after"
+                logger.log({"event": "stopped", "step": step, "reason": reason})
                 logger.close()
                 dist.destroy_process_group()
                 return

@@ -20,7 +20,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
+from common import cp
 from common.checkpoint import (
     PreemptionWatch,
     check_shared_storage,
@@ -51,24 +53,33 @@ from common.wrap import apply_fsdp, resolve_layer_classes
 GIB = 2**30
 
 
-def token_loss_sum(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    logits = model(input_ids=input_ids).logits
+def token_loss_sum(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+                   cp_positions: torch.Tensor | None) -> torch.Tensor:
+    """Summed token loss; with context parallelism, over this rank's positions of each sequence only."""
+    if cp_positions is None:
+        logits = model(input_ids=input_ids).logits
+    else:
+        input_ids, labels = input_ids[:, cp_positions], labels[:, cp_positions]  # labels were shifted on the full row
+        logits = model(input_ids=input_ids, position_ids=cp_positions.expand(len(input_ids), -1)).logits
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
 
 
-def train_step(model, optimizer, micro_batches, device, max_grad_norm: float) -> tuple[float, float, int]:
+def train_step(model, optimizer, micro_batches, device, max_grad_norm: float,
+               cp_positions: torch.Tensor | None) -> tuple[float, float, int]:
     """One optimizer step over this rank's micro-batches; returns (mean token loss, grad norm, tokens).
 
     The loss is divided by the number of target tokens summed over all ranks and micro-batches, and FSDP
     sums gradients (see apply_fsdp), so N ranks x k micro-batches give exactly the one-process update,
     with or without padding.
     """
-    local_tokens = sum(int((b.labels != -100).sum()) for b in micro_batches)
+    # Counted on the shards each rank trains on: cp shards partition a sequence, so no token counts twice.
+    shard = (lambda labels: labels) if cp_positions is None else (lambda labels: labels[:, cp_positions])
+    local_tokens = sum(int((shard(b.labels) != -100).sum()) for b in micro_batches)
     global_tokens = torch.tensor(local_tokens, device=device, dtype=torch.float64)
     dist.all_reduce(global_tokens)
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     for batch in micro_batches:
-        loss = token_loss_sum(model, batch.input_ids.to(device), batch.labels.to(device))
+        loss = token_loss_sum(model, batch.input_ids.to(device), batch.labels.to(device), cp_positions)
         (loss / global_tokens.float()).backward()
         loss_sum += loss.detach()
     grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)
@@ -79,35 +90,46 @@ def train_step(model, optimizer, micro_batches, device, max_grad_norm: float) ->
 
 
 @torch.no_grad()
-def fixed_batch_loss(model, batch, device) -> float:
+def fixed_batch_loss(model, batch, device, cp_positions: torch.Tensor | None) -> float:
     """Mean token loss on a fixed batch (the first rows of the data), to check exports against."""
-    loss = token_loss_sum(model, batch.input_ids.to(device), batch.labels.to(device))
+    loss = token_loss_sum(model, batch.input_ids.to(device), batch.labels.to(device), cp_positions)
+    if cp_positions is not None:
+        dist.all_reduce(loss, group=cp.CP["group"])  # each cp rank scored its own positions
     return (loss / (batch.labels != -100).sum()).item()
-
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv, description=__doc__)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     dp_replicate, dp_shard = resolve_dp_sizes(cfg.parallelism, world_size)
-    t = cfg.train
-    if t.global_batch_size % (t.micro_batch_size * world_size):
+    t, cp_size = cfg.train, cfg.parallelism.cp_size
+    dp_size = world_size // cp_size  # the cp ranks of a data-parallel group share its batch
+    if t.global_batch_size % (t.micro_batch_size * dp_size):
         raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) is not a multiple of micro_batch_size "
-                          f"({t.micro_batch_size}) x data-parallel size ({world_size}); make it a multiple of "
-                          f"{t.micro_batch_size * world_size}")
+                          f"({t.micro_batch_size}) x data-parallel size ({dp_size}); make it a multiple of "
+                          f"{t.micro_batch_size * dp_size}")
+    if cp_size > 1:
+        cfg.model.attn_implementation = cp.ATTENTION  # K/V all-gathered over the cp group (common/cp.py)
     hf_config = load_model_config(cfg.model)
     hf_config.use_cache = False
+    cp.check_cp(cfg.data.seq_len, cp_size, True, hf_config)
     model = build_meta_model(hf_config, cfg.model)  # no memory yet: every tensor is on `meta`
     resolve_layer_classes(model, cfg.fsdp)  # fail on a bad class name before any process group exists
 
-    # Process group and mesh: 1-D FSDP, or 2-D (dp_replicate, dp_shard) HSDP.
+    # Process group and mesh: 1-D FSDP, or 2-D (dp_replicate, dp_shard) HSDP; with CP, FSDP shards over dp x cp
+    # and each rank trains on its head-tail share of every sequence's positions.
     d = init_distributed(t.device, cfg.parallelism.timeout_minutes)
-    mesh = build_dp_mesh(d.device.type, dp_replicate, dp_shard)
+    mesh = build_dp_mesh(d.device.type, dp_replicate, dp_shard * cp_size)
+    cp_positions = None
+    if cp_size > 1:
+        cp_mesh = init_device_mesh(d.device.type, (dp_size, cp_size), mesh_dim_names=("dp", "cp"))
+        cp_positions = cp.setup(cfg.data.seq_len, cp_size, cp_mesh.get_local_rank("cp"), cp_mesh.get_group("cp"),
+                                True, d.device).to(d.device)
     torch.manual_seed(t.seed)
 
     # Data before the model, so a missing dataset or tokenizer fails before any memory is allocated.
     tokenizer, data = build_batches(cfg.data, t.seed, t.global_batch_size, t.micro_batch_size,
-                                    dp_rank=d.rank, dp_size=d.world_size, is_main=d.is_main)
+                                    dp_rank=d.rank // cp_size, dp_size=dp_size, is_main=d.is_main)
     if len(tokenizer) > hf_config.vocab_size:
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but model vocab_size is {hf_config.vocab_size}; "
                           f"set model.config.vocab_size >= {len(tokenizer)}")
@@ -158,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
             maybe_inject_fault("kill", step, run_dir)
             maybe_inject_fault("hang", step, run_dir)
             micro_batches = data.micro_batches(samples)
-            loss, grad_norm, tokens = train_step(model, optimizer, micro_batches, d.device, t.max_grad_norm)
+            loss, grad_norm, tokens = train_step(model, optimizer, micro_batches, d.device, t.max_grad_norm, cp_positions)
             samples += t.global_batch_size
             if maybe_inject_fault("nan", step, run_dir):
                 loss = math.nan
@@ -195,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
 
     final = {"event": "final", "state_bytes_per_rank": gather(sharded_state_bytes(model, optimizer))}
     if not cfg.data.streaming:
-        final["fixed_batch_loss"] = fixed_batch_loss(model, data.fixed_batch(t.micro_batch_size), d.device)
+        final["fixed_batch_loss"] = fixed_batch_loss(model, data.fixed_batch(t.micro_batch_size), d.device, cp_positions)
     logger.log(final)
     if cfg.checkpoint.export:
         path = export_final(model, cfg, tokenizer, d.device.type)

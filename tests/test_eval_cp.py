@@ -109,3 +109,14 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, overrides, message):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_sliding_window_models_are_refused_under_cp():
+    from transformers import MistralConfig
+
+    from common.config import ConfigError
+    from common.cp import check_cp
+
+    check_cp(256, 2, True, MistralConfig(sliding_window=None))  # full attention: fine
+    with pytest.raises(ConfigError, match="sliding-window attention"):
+        check_cp(256, 2, True, MistralConfig(sliding_window=128))

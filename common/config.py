@@ -199,11 +199,15 @@ def normalize_fsdp_keys(values: dict, source: str) -> dict:
     return out
 
 
-def _accelerate_yaml(path: str) -> dict:
+def _read_yaml(path: str) -> dict:
     import yaml
 
     with open(path) as f:
-        doc = yaml.safe_load(f) or {}
+        return yaml.safe_load(f) or {}
+
+
+def _accelerate_yaml(path: str) -> dict:
+    doc = _read_yaml(path)
     if str(doc.get("distributed_type", "FSDP")).upper() != "FSDP":
         raise ConfigError(f"--accelerate-config {path}: distributed_type is {doc['distributed_type']!r}; "
                           f"set it to FSDP")
@@ -211,6 +215,29 @@ def _accelerate_yaml(path: str) -> dict:
     if "mixed_precision" in doc:
         values["mixed_precision"] = doc["mixed_precision"]
     return values
+
+
+# Accelerate's `parallelism_config` block (YAML keys `parallelism_config_<name>`, or the PARALLELISM_CONFIG_<NAME>
+# variables `accelerate launch` exports) onto our `parallelism` keys.
+ACCELERATE_PARALLELISM_KEYS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size", "cp_comm_strategy")
+ACCELERATE_PARALLELISM_IGNORED = {"cp_backend": "torch", "sp_backend": "deepspeed"}  # meaningless here at these values
+
+
+def accelerate_parallelism(values: dict, source: str) -> dict:
+    """Our parallelism keys from Accelerate's; a key or value we cannot honour is an error, never ignored."""
+    out = {}
+    for raw_key, value in values.items():
+        key = raw_key.lower().removeprefix("parallelism_config_")
+        if key in ACCELERATE_PARALLELISM_IGNORED:
+            if str(value) != ACCELERATE_PARALLELISM_IGNORED[key]:
+                raise ConfigError(f"{raw_key}={value!r} in {source} is not supported; only "
+                                  f"{ACCELERATE_PARALLELISM_IGNORED[key]!r} (remove it)")
+            continue
+        if key not in ACCELERATE_PARALLELISM_KEYS:
+            raise ConfigError(f"'{raw_key}' in {source} has no equivalent here"
+                              f"{_did_you_mean(key, ACCELERATE_PARALLELISM_KEYS)}")
+        out[key] = value if key == "cp_comm_strategy" else int(value)
+    return out
 
 
 def accelerate_launch_env(environ: dict) -> dict:
@@ -248,13 +275,13 @@ def _parse_scalar(text: str) -> Any:
         return text
 
 
-def _merge_fsdp_sources(sources: list[tuple[str, dict]]) -> dict:
+def _merge_sources(sources: list[tuple[str, dict]], section: str) -> dict:
     merged: dict = {}
     origin: dict = {}
     for name, values in sources:
         for key, value in values.items():
             if key in merged and _canonical(key, merged[key]) != _canonical(key, value):
-                raise ConfigError(f"fsdp.{key} is {merged[key]!r} in {origin[key]} but {value!r} in {name}; "
+                raise ConfigError(f"{section}.{key} is {merged[key]!r} in {origin[key]} but {value!r} in {name}; "
                                   f"give it in one place only")
             merged[key], origin[key] = value, name
     return merged
@@ -467,7 +494,16 @@ def load_config(path: str, overrides: list[str] = (), fsdp_config: str | None = 
     launch_env = accelerate_launch_env(environ or {})
     if launch_env:
         sources.append(("the accelerate launch environment", launch_env))
-    _fill(cfg.fsdp, _merge_fsdp_sources(sources), "fsdp.")
+    _fill(cfg.fsdp, _merge_sources(sources, "fsdp"), "fsdp.")
+    parallelism = [(f"{path} (parallelism)", values.get("parallelism", {}))]
+    if accelerate_config:
+        block = _read_yaml(accelerate_config).get("parallelism_config") or {}
+        parallelism.append((accelerate_config, accelerate_parallelism(block, accelerate_config)))
+    if (environ or {}).get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() == "true":
+        exported = {k: v for k, v in environ.items() if k.startswith("PARALLELISM_CONFIG_")}
+        parallelism.append(("the accelerate launch environment",
+                            accelerate_parallelism(exported, "the accelerate launch environment")))
+    _fill(cfg.parallelism, _merge_sources(parallelism, "parallelism"), "parallelism.")
     for item in overrides:
         apply_override(cfg, item)
     validate(cfg)

@@ -2,12 +2,13 @@
 
 import json
 import os
+import re
 
 import pytest
 import yaml
 from launch import REPO, TINY, event, free_port, pretrain, read_metrics, run
 
-from common.config import load_config, run_cli
+from common.config import ConfigError, load_config, run_cli
 
 pretrain_script = None
 
@@ -44,6 +45,33 @@ def test_fsdp_prefixed_keys_and_accelerate_yaml_map_offload_params(tmp_path):
     assert cfg.fsdp.cpu_offload is True  # Transformers ignores fsdp_offload_params; we must not
     assert cfg.fsdp.transformer_layer_cls_to_wrap == "LlamaDecoderLayer"
     assert cfg.fsdp.mixed_precision == "bf16"
+
+
+def test_accelerate_parallelism_config_block_is_honoured_never_ignored(tmp_path):
+    block = {"parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": 2,
+             "parallelism_config_cp_size": 2, "parallelism_config_cp_comm_strategy": "alltoall",
+             "parallelism_config_cp_backend": "torch"}
+    acc = tmp_path / "acc.yaml"
+    acc.write_text(yaml.safe_dump({"distributed_type": "FSDP", "fsdp_config": {}, "parallelism_config": block}))
+    p = load_config(TINY, accelerate_config=str(acc)).parallelism
+    assert (p.dp_shard_size, p.cp_size, p.cp_comm_strategy) == (2, 2, "alltoall")
+    env = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_CP_SIZE": "4",
+           "PARALLELISM_CONFIG_SP_SIZE": "1", "PARALLELISM_CONFIG_SP_BACKEND": "deepspeed"}
+    assert load_config(TINY, environ=env).parallelism.cp_size == 4
+    with pytest.raises(ConfigError, match=r"parallelism.cp_size is 1 in .* \(parallelism\) but 2 in .*acc.yaml"):
+        _with_json_cp(tmp_path, acc)  # the run config says cp_size=1, the Accelerate file 2: neither silently wins
+    for bad, message in [({"parallelism_config_cp_backend": "deepspeed"}, "is not supported; only 'torch'"),
+                         ({"parallelism_config_cp_sizes": 2}, "did you mean 'cp_size'")]:
+        acc.write_text(yaml.safe_dump({"distributed_type": "FSDP", "parallelism_config": bad}))
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(TINY, accelerate_config=str(acc))
+
+
+def _with_json_cp(tmp_path, acc):
+    config = json.load(open(TINY))
+    config["parallelism"] = {"cp_size": 1}
+    (tmp_path / "run.json").write_text(json.dumps(config))
+    return load_config(str(tmp_path / "run.json"), accelerate_config=str(acc))
 
 
 def test_accelerate_launch_environment_is_honoured():

@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from launch import REPO, event, losses, read_metrics, run, steps
 from safetensors.torch import load_file
@@ -139,6 +140,16 @@ def test_full_export_loads_in_transformers_with_the_trained_logits(layouts):
     assert abs(loss - event(records, "final")["fixed_batch_loss"]) < 1e-6
     on_disk = load_file(os.path.join(run_dir, "export", "model.safetensors"))
     assert "model.layers.0.mlp.experts.7.gate_proj.weight" in on_disk  # per-expert tensors, the hub layout
+    # The trained model itself is the last resume checkpoint (DCP, fused experts as trained): read it into a
+    # plain model and compare logits with the export's, element by element.
+    exported = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "export"), dtype=torch.float32)
+    trained = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "export"), dtype=torch.float32)
+    state = {"model": {k: torch.empty_like(v) for k, v in trained.state_dict().items()}}
+    dcp.load(state, checkpoint_id=os.path.join(run_dir, "checkpoints", "step-6"))
+    trained.load_state_dict(state["model"])
+    ids = torch.randint(0, 4096, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=ids).logits, trained(input_ids=ids).logits, rtol=0, atol=1e-6)
 
 
 def test_mixtral_trains_with_ep_and_round_trips(tmp_path):

@@ -123,14 +123,14 @@ def evaluate(model, batches: list[Batch], loss_fn: MoeLoss, device, tp: int) -> 
 
 
 
-def expert_layout(experts: list, sizes) -> dict:
+def expert_layout(experts: list) -> dict:
     """Where the first expert weight lives on this rank: for the placement test and the logs."""
     if not experts:
         return {}
     weight = next(experts[0].parameters())
     return {"global_shape": list(weight.shape), "local_shape": list(weight.to_local().shape),
             "mesh": dict(zip(weight.device_mesh.mesh_dim_names, weight.device_mesh.shape)),
-            "placements": [str(p) for p in weight.placements], "ep": sizes.ep, "efsdp": sizes.efsdp}
+            "placements": [str(p) for p in weight.placements]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(to_dict(cfg), f, indent=2)
     logger.log({"event": "model_ready", "params": sum(p.numel() for p in model.parameters()), "experts": num_experts,
                 "fsdp_units": num_units, "world_size": d.world_size, "dense_mesh": dict(zip(dense_mesh.mesh_dim_names,
-                dense_mesh.shape)), "expert_layout_per_rank": gather(expert_layout(experts, sizes)),
+                dense_mesh.shape)), "expert_layout_per_rank": gather(expert_layout(experts)),
                 "router_aux_loss_coef": coef, "mixed_precision": resolve_mixed_precision(cfg.fsdp, d.device.type),
                 "peak_mem_after_load_gib_per_rank": load_peaks, "resumed_from": resume_from, "start_step": start_step})
     if held_out and start_step == 0:

@@ -1,11 +1,12 @@
 """Context parallelism on CPU: peak memory per rank and tokens/s for one long sequence at cp = 1, 2, 4.
 
-    python benchmarks/cp_memory.py
+    python benchmarks/cp_memory.py [--tiny]
 
-A 4-layer Llama (hidden 256, 8 heads, randomly initialised and exported by pretrain_fsdp.py with
-train.steps=0) scores one 8,192-token sequence of the embedded corpus with scripts/eval_cp.py. cp=1 is the
-baseline. Attention scores are [heads, local queries, all keys], so what evaluation adds on top of the
-memory held after loading (interpreter, torch, weights) should fall about as 1/cp. Peak RSS is per rank
+A 4-layer Llama with Llama-like proportions (hidden 256, MLP 1024, 8 query heads sharing 2 K/V heads;
+randomly initialised and exported by pretrain_fsdp.py with train.steps=0) scores one 16,384-token sequence
+of the embedded corpus with scripts/eval_cp.py. cp=1 is the baseline. Activations are per local token, so
+what evaluation adds on top of the memory held after loading (interpreter, torch, weights) should fall about
+as 1/cp, except for the all-gathered K/V, which every rank holds in full. Peak RSS is per rank
 (glibc told to return freed memory). Prints a markdown table.
 """
 
@@ -19,12 +20,14 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.launch import REPO, TINY
+from benchmarks.launch import REPO, TINY, tiny
 
-MODEL = ["model.config.hidden_size=256", "model.config.intermediate_size=512", "model.config.num_hidden_layers=4",
-         "model.config.num_attention_heads=8", "model.config.num_key_value_heads=8",
-         "model.config.max_position_embeddings=8192"]
-SEQ = 8192
+MODEL = ["model.config.hidden_size=256", "model.config.intermediate_size=1024", "model.config.num_hidden_layers=4",
+         "model.config.num_attention_heads=8", "model.config.num_key_value_heads=2",
+         "model.config.max_position_embeddings=16384"]
+SEQ = 16384
+if tiny():
+    MODEL, SEQ = ["model.config.max_position_embeddings=256"], 256
 
 
 def evaluate(export: str, cp: int, run_dir: str) -> dict:
@@ -44,7 +47,7 @@ def main() -> None:
         subprocess.run([sys.executable, os.path.join(REPO, "scripts", "pretrain_fsdp.py"), "--config", TINY,
                         f"checkpoint.dir={tmp}/model", "train.steps=0", "data.seq_len=64", *MODEL],
                        check=True, capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        print("| cp (1 sequence of 8,192 tokens) | peak RSS GiB / rank (max) | of which evaluation (peak - after load) "
+        print(f"| cp (1 sequence of {SEQ:,} tokens) | peak RSS GiB / rank (max) | of which evaluation (peak - after load) "
               "| vs cp=1 | tokens/s | eval_loss |")
         print("|---|---|---|---|---|---|")
         base = None

@@ -134,7 +134,7 @@ def _training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple
 
 
 def save_checkpoint(run_dir: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    train_state: dict, keep_latest: int) -> str:
+                    train_state: dict, keep_latest: int, tokenizer=None) -> str:
     """DCP of model + optimizer + RNG, plus train_state.json (step, samples, scheduler, data position)."""
     root = checkpoints_dir(run_dir)
     final = os.path.join(root, f"step-{step}")
@@ -151,14 +151,24 @@ def save_checkpoint(run_dir: str, step: int, model: nn.Module, optimizer: torch.
     maybe_inject_fault("save", step, run_dir)
     dist.barrier()  # every rank's shard is on disk before the checkpoint gets its final name
     if dist.get_rank() == 0:
-        with open(os.path.join(tmp, TRAIN_STATE), "w") as f:
-            json.dump(train_state, f)
-        _publish(tmp, final)
-        steps = sorted(int(m[1]) for m in map(STEP_DIR.match, os.listdir(root)) if m)
-        for old in steps[:-keep_latest]:
-            shutil.rmtree(os.path.join(root, f"step-{old}"))
+        publish_checkpoint(tmp, final, train_state, model.config, tokenizer, keep_latest)
     dist.barrier()
     return final
+
+
+def publish_checkpoint(tmp: str, final: str, train_state: dict, model_config, tokenizer, keep_latest: int) -> None:
+    """Complete a written `step-N.tmp` (train state, config and tokenizer, so eval_cp.py can evaluate it
+    directly), rename it to `step-N`, and drop all but the newest `keep_latest`. One process only."""
+    with open(os.path.join(tmp, TRAIN_STATE), "w") as f:
+        json.dump(train_state, f)
+    model_config.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    publish(tmp, final)
+    root = os.path.dirname(final)
+    steps = sorted(int(m[1]) for m in map(STEP_DIR.match, os.listdir(root)) if m)
+    for old in steps[:-keep_latest]:
+        shutil.rmtree(os.path.join(root, f"step-{old}"))
 
 
 def _check_shapes(path: str, model: nn.Module) -> None:
@@ -184,6 +194,11 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     torch.set_rng_state(state["rng"]["cpu"])
     if "cuda" in state["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["rng"]["cuda"])
+    return restore_train_state(path, optimizer, scheduler)
+
+
+def restore_train_state(path: str, optimizer: torch.optim.Optimizer, scheduler) -> dict:
+    """Scheduler and learning rate from a checkpoint's train_state.json; returns it (step, samples, data)."""
     with open(os.path.join(path, TRAIN_STATE)) as f:
         train_state = json.load(f)
     scheduler.load_state_dict(train_state["scheduler"])
@@ -241,7 +256,7 @@ def export_final(model: nn.Module, cfg: Config, tokenizer, device_type: str) -> 
     return export_dir
 
 
-def _publish(tmp: str, final: str) -> None:
+def publish(tmp: str, final: str) -> None:
     """Atomically swap a finished `tmp` directory into `final` (rank 0 only)."""
     old = f"{final}.old"
     if os.path.exists(final):
@@ -257,13 +272,19 @@ def export_full(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype) -
     if dist.get_rank() == 0:
         tmp = f"{out_dir}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        state = {k: v.to(dtype) for k, v in state.items()}
-        model.config.dtype = dtype
-        model.save_pretrained(tmp, state_dict=state)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        _publish(tmp, out_dir)
+        write_hf_directory(model, tmp, {k: v.to(dtype) for k, v in state.items()}, tokenizer, dtype)
+        publish(tmp, out_dir)
     dist.barrier()
+
+
+def write_hf_directory(model: nn.Module, out_dir: str, state: dict, tokenizer, dtype: torch.dtype) -> None:
+    """safetensors + config + generation config + tokenizer, with config.dtype the dtype actually written."""
+    model.save_pretrained(out_dir, state_dict=state)
+    # save_pretrained records the dtype of the model's own (fp32 master) parameters, not of `state`.
+    model.config.dtype = dtype
+    model.config.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
 
 
 def export_sharded(model: nn.Module, out_dir: str, tokenizer) -> None:
@@ -277,7 +298,7 @@ def export_sharded(model: nn.Module, out_dir: str, tokenizer) -> None:
         model.config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        _publish(tmp, out_dir)
+        publish(tmp, out_dir)
     dist.barrier()
 
 

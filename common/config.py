@@ -87,6 +87,7 @@ class FsdpConfig:
     xla: bool = False
     xla_fsdp_settings: dict = field(default_factory=dict)
     xla_fsdp_grad_ckpt: bool = False
+    xla_fsdp_v2: bool = True  # SPMD FSDPv2; Transformers defaults to FSDPv1, which tpu_xla_fsdp.py does not implement
 
 
 @dataclass
@@ -117,6 +118,7 @@ class MetricsConfig:
     comm_stats: bool = False  # count all-gather / reduce-scatter calls and bytes per step
     sample_ids: bool = False  # log which global samples each rank consumed (for data-position tests)
     tensorboard: bool = True  # used only when the package is installed
+    peak_flops: float | None = None  # FLOP/s per device for MFU; None: the datasheet table (known GPUs only)
 
 
 @dataclass
@@ -125,7 +127,7 @@ class EvalConfig:
     batch_size: int = 1  # sequences per data-parallel rank per forward
     load_balance: bool = True  # head-tail (zig-zag) sharding: every cp rank gets the same causal work
     loss_chunk_tokens: int = 1024  # lm_head + cross-entropy this many tokens at a time: no full-vocabulary logits
-    attention: str = "auto"  # auto | allgather (torch_cp: torch's context_parallel on CUDA, not available yet)
+    attention: str = "auto"  # auto (torch_cp on CUDA, else allgather) | allgather | torch_cp
 
 
 @dataclass
@@ -403,8 +405,14 @@ def validate(cfg: Config) -> None:
                 "use true, false, or an int (reshard to that many ranks)")
     if not isinstance(f.reshard_after_forward, bool) and f.reshard_after_forward < 1:
         raise ConfigError(f"fsdp.reshard_after_forward is {f.reshard_after_forward}; an int must be >= 1")
-    for key in ("cpu_offload", "cpu_ram_efficient_loading", "activation_checkpointing", "xla"):
+    for key in ("cpu_offload", "cpu_ram_efficient_loading", "activation_checkpointing", "xla", "xla_fsdp_grad_ckpt",
+                "xla_fsdp_v2"):
         _check_type("fsdp", key, getattr(f, key), (bool,), "use true or false")
+    _check_type("fsdp", "xla_fsdp_settings", f.xla_fsdp_settings, (dict,), 'give an object, e.g. {"compute_dtype": '
+                '"bfloat16"}')
+    if not f.xla and (f.xla_fsdp_settings or f.xla_fsdp_grad_ckpt):
+        raise ConfigError("fsdp.xla_fsdp_settings / xla_fsdp_grad_ckpt are set but fsdp.xla is false; they apply "
+                          "only to scripts/tpu_xla_fsdp.py with fsdp.xla=true")
     if f.auto_wrap_policy not in WRAP_POLICIES:
         raise ConfigError(f"fsdp.auto_wrap_policy is {f.auto_wrap_policy!r}; use one of {', '.join(WRAP_POLICIES)}"
                           f"{_did_you_mean(str(f.auto_wrap_policy), WRAP_POLICIES)}")
@@ -454,15 +462,25 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"metrics.log_every is {cfg.metrics.log_every}; it must be >= 1")
 
 
-def parse_args(argv: list[str] | None = None, description: str = "") -> Config:
-    """`--config FILE [--fsdp-config F] [--accelerate-config F] [key.path=value ...]` -> a validated Config."""
+def parse_args(argv: list[str] | None = None, description: str = "", xla: bool = False) -> Config:
+    """`--config FILE [--fsdp-config F] [--accelerate-config F] [key.path=value ...]` -> a validated Config.
+
+    `xla`: whether the calling script is the PyTorch/XLA one; fsdp.xla must agree, so it is never ignored.
+    """
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", required=True, help="JSON run config (see configs/)")
     parser.add_argument("--fsdp-config", help="a Transformers fsdp_config JSON; fills the fsdp section")
     parser.add_argument("--accelerate-config", help="an Accelerate YAML with an fsdp_config block")
     parser.add_argument("overrides", nargs="*", help="key.path=value, value parsed as JSON")
     args = parser.parse_args(argv)
-    return load_config(args.config, args.overrides, args.fsdp_config, args.accelerate_config, os.environ)
+    cfg = load_config(args.config, args.overrides, args.fsdp_config, args.accelerate_config, os.environ)
+    if cfg.fsdp.xla and not xla:
+        raise ConfigError("fsdp.xla is true, which is the PyTorch/XLA recipe: run scripts/tpu_xla_fsdp.py, or set "
+                          "fsdp.xla=false")
+    if xla and not cfg.fsdp.xla:
+        raise ConfigError("fsdp.xla is false but scripts/tpu_xla_fsdp.py is the PyTorch/XLA recipe; set "
+                          "fsdp.xla=true (on GPUs, use scripts/pretrain_fsdp.py)")
+    return cfg
 
 
 def _read_json(path: str, what: str) -> dict:

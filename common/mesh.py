@@ -65,9 +65,6 @@ def resolve_dp_sizes(p: ParallelismConfig, world_size: int) -> tuple[int, int]:
         if getattr(p, key) != 1:
             raise ConfigError(f"parallelism.{key} is {getattr(p, key)} but pretrain_fsdp.py has no expert or "
                               f"tensor parallelism; set it to 1 (EP/TP: finetune_moe_ep_fsdp.py)")
-    if p.cp_size > 1 and p.dp_replicate_size != 1:
-        raise ConfigError(f"parallelism.cp_size={p.cp_size} with dp_replicate_size={p.dp_replicate_size}: CP "
-                          f"training shards over one FSDP dimension here; set dp_replicate_size=1")
     if world_size % p.cp_size:
         raise ConfigError(f"parallelism.cp_size={p.cp_size} does not divide the world size {world_size}")
     world_size //= p.cp_size

@@ -3,9 +3,13 @@
     torchrun --nproc_per_node 4 scripts/eval_cp.py --config configs/debug_eval_cp.json parallelism.cp_size=2
 
 The story of main(): config -> (dp, cp) mesh -> model on `meta` -> fully_shard over all ranks -> load the
-checkpoint (HF directory, FULL export, or SHARDED export) -> for each batch: shift labels on the full sequence,
-shard inputs, labels and positions over cp, forward with all-gather-K/V attention, chunked head + loss ->
-all-reduce sums -> eval_results.json.
+checkpoint (HF directory, FULL export, SHARDED export, or a training checkpoint `checkpoints/step-N`) -> for
+each batch: shift labels on the full sequence, shard inputs, labels and positions over cp, forward with
+context-parallel attention, chunked head + loss -> all-reduce sums -> eval_results.json.
+
+Attention (eval.attention): `torch_cp` is torch's context_parallel (ring attention with
+parallelism.cp_comm_strategy), CUDA only; `allgather` is common/cp.py's all-gather-K/V attention, which runs
+on any device. `auto` picks torch_cp on CUDA and allgather elsewhere.
 """
 
 from __future__ import annotations
@@ -21,14 +25,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor.experimental import context_parallel
+from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
 
 from common import cp
 from common.checkpoint import is_sharded_export, load_hf_weights, load_sharded_export
 from common.config import ConfigError, parse_args, run_cli
 from common.data import build_batches
-from common.mesh import build_dp_mesh, gather, init_distributed
+from common.mesh import build_dp_mesh, gather, init_distributed, resolve_device
 from common.metrics import peak_memory_bytes, reset_peak_memory
 from common.model import build_meta_model, init_buffers, load_model_config
 from common.wrap import apply_fsdp, resolve_layer_classes
@@ -57,17 +62,31 @@ def main(argv: list[str] | None = None) -> None:
     p, e = cfg.parallelism, cfg.eval
     cp.check_cp(cfg.data.seq_len, p.cp_size, e.load_balance)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
+    for key in ("sp_size", "tp_size", "ep_size", "dp_replicate_size"):
+        if getattr(p, key) != 1:  # never silently ignored
+            raise ConfigError(f"parallelism.{key} is {getattr(p, key)} but eval_cp.py shards over dp x cp only; "
+                              f"set it to 1")
     if world_size % p.cp_size:
         raise ConfigError(f"parallelism.cp_size={p.cp_size} does not divide the world size {world_size}")
-    if e.attention not in ("auto", "allgather"):
-        raise ConfigError(f"eval.attention is {e.attention!r}; use auto or allgather (torch_cp is not available yet)")
+    if p.dp_shard_size not in (-1, world_size // p.cp_size):
+        raise ConfigError(f"parallelism.dp_shard_size is {p.dp_shard_size} but world size {world_size} / cp_size "
+                          f"{p.cp_size} leaves {world_size // p.cp_size} data-parallel ranks; set it to -1")
+    device_type = resolve_device(cfg.train.device).type
+    attention = e.attention
+    if attention == "auto":
+        attention = "torch_cp" if device_type == "cuda" and p.cp_size > 1 else "allgather"
+    if attention not in ("allgather", "torch_cp"):
+        raise ConfigError(f"eval.attention is {e.attention!r}; use auto, allgather or torch_cp")
+    if attention == "torch_cp" and device_type != "cuda":
+        raise ConfigError("eval.attention is 'torch_cp', which needs CUDA SDPA kernels (torch has no CP sharding "
+                          "rule for the CPU kernel); use auto or allgather")
     if not cfg.model.name_or_path:
         raise ConfigError("model.name_or_path is empty; name the HF directory or export to evaluate")
     if cfg.data.streaming:
         raise ConfigError("data.streaming is true; eval_cp.py evaluates local data (the embedded corpus or files)")
     if cfg.data.tokenizer is None and os.path.exists(os.path.join(cfg.model.name_or_path, "tokenizer_config.json")):
         cfg.data.tokenizer = cfg.model.name_or_path  # evaluate with the tokenizer the checkpoint was trained with
-    cfg.model.attn_implementation = cp.ATTENTION
+    cfg.model.attn_implementation = cp.TORCH_ATTENTION if attention == "torch_cp" else cp.ATTENTION
     hf_config = load_model_config(cfg.model)
     cp.check_cp(cfg.data.seq_len, p.cp_size, e.load_balance, hf_config)
     model = build_meta_model(hf_config, cfg.model)
@@ -75,15 +94,17 @@ def main(argv: list[str] | None = None) -> None:
 
     d = init_distributed(cfg.train.device, p.timeout_minutes)
     dp_size = d.world_size // p.cp_size
-    mesh = init_device_mesh(d.device.type, (dp_size, p.cp_size), mesh_dim_names=("dp", "cp"))
-    dp_rank, cp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("cp")
+    L = cfg.data.seq_len
+    positions, dp_rank, cp_mesh = cp.setup(L, p.cp_size, e.load_balance, d.device)
+    set_rotate_method(p.cp_comm_strategy)  # torch_cp only: how K/V shards travel between cp ranks
+    _cp_options.enable_load_balance = e.load_balance  # torch_cp: its head-tail shards, the same as ours
     tokenizer, data = build_batches(cfg.data, cfg.train.seed, dp_size, 1, 0, 1, is_main=d.is_main)
 
     # Weights sharded over every rank (dp x cp), as Accelerate does; loaded exactly like pretrain_fsdp.py.
     apply_fsdp(model, build_dp_mesh(d.device.type, 1, d.world_size), cfg.fsdp, d.device.type)
     model.to_empty(device=torch.device("cpu") if cfg.fsdp.cpu_offload else d.device)
     init_buffers(model, d.device)
-    if is_sharded_export(cfg.model.name_or_path):
+    if is_sharded_export(cfg.model.name_or_path):  # a SHARDED export or a training checkpoint: both are DCP
         load_sharded_export(model, cfg.model.name_or_path)
     else:
         load_hf_weights(model, cfg.model.name_or_path, cfg.fsdp.cpu_ram_efficient_loading, cfg.model.trust_remote_code)
@@ -93,8 +114,6 @@ def main(argv: list[str] | None = None) -> None:
     hidden = {}
     model.get_decoder().register_forward_hook(lambda module, args, out: hidden.update(last=out.last_hidden_state))
 
-    L = cfg.data.seq_len
-    positions = cp.setup(L, p.cp_size, cp_rank, mesh.get_group("cp"), e.load_balance, d.device)
     num = min(e.max_sequences, len(data.rows))
     per_step = dp_size * e.batch_size
     totals = torch.zeros(3, dtype=torch.float64)  # loss sum, valid tokens, correct tokens
@@ -107,15 +126,23 @@ def main(argv: list[str] | None = None) -> None:
             rows = [i if i < num else 0 for i in index]
             input_ids, labels = batch.input_ids[rows], batch.labels[rows].clone()
             labels[[j for j, i in enumerate(index) if i >= num]] = -100
-            shard = (input_ids[:, positions], labels[:, positions], positions.expand(len(rows), -1))
-            model(input_ids=shard[0].to(d.device), position_ids=shard[2].to(d.device), logits_to_keep=1)
-            loss_sum, valid, correct = head_loss(model, hidden["last"], shard[1].to(d.device), e.loss_chunk_tokens)
+            input_ids, labels = input_ids.to(d.device), labels.to(d.device)
+            position_ids = torch.arange(L, device=d.device).repeat(len(rows), 1)  # real storage: sharded in place
+            if attention == "torch_cp":  # torch shards the three buffers in place, then runs ring attention
+                with context_parallel(cp_mesh, buffers=[input_ids, labels, position_ids], buffer_seq_dims=[1, 1, 1],
+                                      no_restore_buffers={input_ids, labels, position_ids}):
+                    model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=1, use_cache=False)
+            else:
+                input_ids, labels = input_ids[:, positions], labels[:, positions]
+                model(input_ids=input_ids, position_ids=positions.expand(len(rows), -1), logits_to_keep=1,
+                      use_cache=False)
+            loss_sum, valid, correct = head_loss(model, hidden["last"], labels, e.loss_chunk_tokens)
             totals += torch.tensor([loss_sum, valid, correct], dtype=torch.float64)
     dist.all_reduce(totals)  # over dp x cp: token counts were never multiplied by cp, shards partition sequences
     loss_sum, tokens, correct = totals.tolist()
     results = {"eval_loss": loss_sum / tokens, "perplexity": math.exp(loss_sum / tokens), "accuracy": correct / tokens,
                "tokens": int(tokens), "sequences": num, "seq_len": L, "cp_size": p.cp_size, "dp_size": dp_size,
-               "load_balance": e.load_balance, "tokens_per_s": tokens / (time.perf_counter() - start_time),
+               "load_balance": e.load_balance, "attention": attention, "tokens_per_s": tokens / (time.perf_counter() - start_time),
                "mem_after_load_gib_per_rank": loaded,
                "peak_mem_gib_per_rank": gather(peak_memory_bytes(d.device) / 2**30)}
     if d.is_main:

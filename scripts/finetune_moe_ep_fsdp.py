@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> None:
             if (interval and step % interval == 0) or step == t.steps or stopping:
                 train_state = {"step": step, "samples": samples, "world_size": d.world_size, "loss": stats["loss"],
                                "scheduler": scheduler.state_dict(), "data": gather(data.state_dict())}
-                path = save_checkpoint(run_dir, step, model, optimizer, train_state, cfg.checkpoint.keep_latest)
+                path = save_checkpoint(run_dir, step, model, optimizer, train_state, cfg.checkpoint.keep_latest,
+                                       tokenizer)
                 logger.log({"event": "checkpoint", "step": step, "path": path})
             if stopping and step < t.steps:
                 reason = "preempted" if preempted else "train.stop_after"

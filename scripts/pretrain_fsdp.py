@@ -20,7 +20,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 
 from common import cp
 from common.checkpoint import (
@@ -116,20 +115,18 @@ def main(argv: list[str] | None = None) -> None:
     model = build_meta_model(hf_config, cfg.model)  # no memory yet: every tensor is on `meta`
     resolve_layer_classes(model, cfg.fsdp)  # fail on a bad class name before any process group exists
 
-    # Process group and mesh: 1-D FSDP, or 2-D (dp_replicate, dp_shard) HSDP; with CP, FSDP shards over dp x cp
-    # and each rank trains on its head-tail share of every sequence's positions.
+    # Process group and mesh: 1-D FSDP, or 2-D (dp_replicate, dp_shard) HSDP; with CP, FSDP shards over
+    # dp_shard x cp and each rank trains on its head-tail share of every sequence's positions.
     d = init_distributed(t.device, cfg.parallelism.timeout_minutes)
     mesh = build_dp_mesh(d.device.type, dp_replicate, dp_shard * cp_size)
-    cp_positions = None
+    cp_positions, dp_rank = None, d.rank
     if cp_size > 1:
-        cp_mesh = init_device_mesh(d.device.type, (dp_size, cp_size), mesh_dim_names=("dp", "cp"))
-        cp_positions = cp.setup(cfg.data.seq_len, cp_size, cp_mesh.get_local_rank("cp"), cp_mesh.get_group("cp"),
-                                True, d.device).to(d.device)
+        cp_positions, dp_rank, _ = cp.setup(cfg.data.seq_len, cp_size, True, d.device)
     torch.manual_seed(t.seed)
 
     # Data before the model, so a missing dataset or tokenizer fails before any memory is allocated.
     tokenizer, data = build_batches(cfg.data, t.seed, t.global_batch_size, t.micro_batch_size,
-                                    dp_rank=d.rank // cp_size, dp_size=dp_size, is_main=d.is_main)
+                                    dp_rank=dp_rank, dp_size=dp_size, is_main=d.is_main)
     if len(tokenizer) > hf_config.vocab_size:
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but model vocab_size is {hf_config.vocab_size}; "
                           f"set model.config.vocab_size >= {len(tokenizer)}")
@@ -160,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     num_embed = model.get_input_embeddings().weight.numel()
     timer = StepTimer(t.steps, flops_per_token(num_params, num_embed, hf_config.num_hidden_layers,
                                                hf_config.hidden_size, cfg.data.seq_len),
-                      device_peak_flops(d.device), d.world_size)
+                      cfg.metrics.peak_flops or device_peak_flops(d.device), d.world_size)
     logger = MetricsLogger(run_dir, d.is_main, cfg.metrics.tensorboard)
     if d.is_main:
         with open(os.path.join(run_dir, "run_config.json"), "w") as f:
@@ -207,7 +204,8 @@ def main(argv: list[str] | None = None) -> None:
             if (interval and step % interval == 0) or step == t.steps or stopping:
                 train_state = {"step": step, "samples": samples, "world_size": d.world_size, "loss": loss,
                                "scheduler": scheduler.state_dict(), "data": gather(data.state_dict())}
-                path = save_checkpoint(run_dir, step, model, optimizer, train_state, cfg.checkpoint.keep_latest)
+                path = save_checkpoint(run_dir, step, model, optimizer, train_state, cfg.checkpoint.keep_latest,
+                                       tokenizer)
                 logger.log({"event": "checkpoint", "step": step, "path": path})
             if stopping and step < t.steps:
                 logger.log({"event": "stopped", "step": step, "reason": "preempted" if preempted else "train.stop_after"})

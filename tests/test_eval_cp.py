@@ -69,6 +69,26 @@ def test_every_layout_gives_the_cp1_result_and_counts_each_token_once(export, cp
     assert result["accuracy"] == pytest.approx(cp1["accuracy"], abs=1e-9)
 
 
+def test_a_training_checkpoint_evaluates_like_its_export(export, cp1, tmp_path):
+    """checkpoints/step-N (DCP of model + optimizer, config.json beside it) is read directly, resharded to cp 2."""
+    step = os.path.join(os.path.dirname(export), "checkpoints", "step-3")
+    result = evaluate(step, tmp_path, *SEQ, "parallelism.cp_size=2", nproc=2)
+    assert result["tokens"] == cp1["tokens"]
+    assert result["eval_loss"] == pytest.approx(cp1["eval_loss"], abs=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="torch's context_parallel needs 2 CUDA devices")
+@pytest.mark.parametrize("strategy", ["allgather", "alltoall"])
+def test_torch_context_parallel_gives_the_allgather_result_on_cuda(export, tmp_path, strategy):
+    common = [*SEQ, "parallelism.cp_size=2", "train.device=cuda"]
+    ours = evaluate(export, tmp_path / "ours", *common, "eval.attention=allgather", nproc=2)
+    torch_cp = evaluate(export, tmp_path / "torch", *common, "eval.attention=torch_cp",
+                        f"parallelism.cp_comm_strategy={strategy}", nproc=2)
+    assert torch_cp["attention"] == "torch_cp" and torch_cp["tokens"] == ours["tokens"]
+    assert torch_cp["eval_loss"] == pytest.approx(ours["eval_loss"], abs=1e-4)  # different fp32 kernels
+
+
 def test_padding_and_an_uneven_last_batch_are_not_counted(export, tmp_path):
     common = ["data.seq_len=256", "data.pack=false", "eval.max_sequences=7"]
     single = evaluate(export, tmp_path / "a", *common, "parallelism.cp_size=1")
@@ -103,6 +123,7 @@ def run_eval_env(export, tmp_path, overrides, env) -> dict:
     (["parallelism.cp_size=2", "parallelism.sp_size=2"], "pick one"),
     (["data.seq_len=250", "parallelism.cp_size=2"], "use 248 or 252"),
     (["model.name_or_path=/nonexistent/model", "parallelism.cp_size=1"], "model.name_or_path '/nonexistent/model'"),
+    (["eval.attention=torch_cp", "train.device=cpu", "parallelism.cp_size=1"], "needs CUDA SDPA kernels"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, overrides, message):
     proc = run("eval_cp.py", ["--config", EVAL, f"checkpoint.dir={tmp_path}", *overrides], nproc=0, check=False)

@@ -1,7 +1,9 @@
 """Each fsdp key does what the Transformers FSDP2 docs say, measured on real multi-rank runs."""
 
 import pytest
+import torch
 from launch import event, losses, pretrain, steps
+from transformers import AutoModelForCausalLM
 
 STEP = ["train.steps=3", "train.micro_batch_size=4", "checkpoint.export=false"]
 
@@ -47,12 +49,15 @@ def test_cpu_offload_matches_losses(tmp_path):
 
 def test_bf16_params_with_fp32_reduce_run_on_cpu(tmp_path):
     fp32 = pretrain(tmp_path / "fp32", "train.steps=8", "checkpoint.export=false")
-    bf16 = pretrain(tmp_path / "bf16", "train.steps=8", "checkpoint.export=false",
+    bf16 = pretrain(tmp_path / "bf16", "train.steps=8",
                     'fsdp.mixed_precision={"param_dtype": "bfloat16", "reduce_dtype": "float32"}')
     assert event(bf16, "model_ready")["mixed_precision"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
     assert losses(bf16) != losses(fp32)  # the policy really changed the compute dtype
     assert losses(bf16) == pytest.approx(losses(fp32), abs=0.05)
     assert losses(bf16)[-1] < losses(bf16)[0] - 0.3
+    # The export is written in the parameter dtype, and its config says so (dtype="auto" loads it as such).
+    export = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16" / "export", dtype="auto")
+    assert export.lm_head.weight.dtype == torch.bfloat16
 
 
 @pytest.mark.slow

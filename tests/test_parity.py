@@ -16,8 +16,9 @@ def single_process(tmp_path_factory):
     (4, []),
     (4, ["parallelism.dp_replicate_size=2", "parallelism.dp_shard_size=2"]),  # 2x2 HSDP
     (2, ["parallelism.cp_size=2"]),  # context parallel training: each rank trains on half of every sequence
-    (4, ["parallelism.cp_size=2"]),  # dp 2 x cp 2
-], ids=["fsdp2", "fsdp4", "hsdp2x2", "cp2", "dp2xcp2"])
+    # HSDP replicas 2 x cp 2: FSDP shards over the cp ranks of a replica, which all-reduce with the other.
+    (4, ["parallelism.dp_replicate_size=2", "parallelism.cp_size=2"]),
+], ids=["fsdp2", "fsdp4", "hsdp2x2", "cp2", "hsdp2xcp2"])
 def test_losses_match_single_process(tmp_path, single_process, nproc, overrides):
     records = pretrain(tmp_path, f"train.steps={STEPS}", "checkpoint.export=false", *overrides, nproc=nproc)
     assert event(records, "model_ready")["world_size"] == nproc

@@ -1,0 +1,334 @@
+"""Llama pretraining on PyTorch/XLA (TPU, or XLA's CPU runtime in CI) with SPMD FSDPv2.
+
+    PJRT_DEVICE=TPU python scripts/tpu_xla_fsdp.py --config configs/tpu_llama.json         # on every TPU VM worker
+    PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 python scripts/tpu_xla_fsdp.py --config configs/debug_tpu.json
+
+The recipe of pretrain_fsdp.py (config schema, data, initialisation, AdamW and schedule, global-token loss,
+metrics, checkpoints, HF export) on XLA. The story of main(): config -> SPMD mesh with an `fsdp` axis -> data ->
+model in host memory -> FSDPv2 per planned unit (optionally with gradient checkpointing) -> train loop with the
+batch sharded over `fsdp` -> DCP checkpoints -> HF export.
+
+Why SPMD FSDPv2 (SpmdFullyShardedDataParallel) and not FSDPv1 (XlaFullyShardedDataParallel): one process per
+host drives all its devices and the XLA compiler inserts the all-gathers and reduce-scatters from sharding
+annotations, which is the path PyTorch/XLA recommends for TPUs. FSDPv1 needs one process per device, and
+multi-process collectives on XLA's CPU runtime hang, so it could never be tested here; `xla_fsdp_v2: false`
+is an error.
+
+Needs torch 2.9.0 + torch_xla 2.9.0 (requirements-xla.txt, their own environment). Without torch_xla this
+module still imports, so its config, wrap-plan and key helpers are tested with the main environment's torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from contextlib import nullcontext
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from common.checkpoint import (
+    checkpoints_dir,
+    find_resume_checkpoint,
+    is_sharded_export,
+    publish,
+    publish_checkpoint,
+    restore_train_state,
+    write_hf_directory,
+)
+from common.config import Config, ConfigError, FsdpConfig, parse_args, run_cli, to_dict
+from common.data import build_batches
+from common.metrics import MetricsLogger, StepTimer, flops_per_token, peak_memory_bytes
+from common.model import build_meta_model, init_buffers, init_weights, load_model_config
+from common.optim import build_optimizer, lr_multiplier
+from common.wrap import plan_units, resolve_layer_classes
+
+try:
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+    from torch_xla.distributed.fsdp import checkpoint_module
+    from torch_xla.distributed.fsdp.wrap import lambda_auto_wrap_policy
+    from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner, prime_optimizer
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
+except ImportError as error:  # the main environment: everything above the training itself still works
+    torch_xla, XLA_IMPORT_ERROR = None, error
+
+# What SpmdFullyShardedDataParallel takes besides the mesh, shard_output and wrap policy, which are ours.
+FSDPV2_SETTINGS = {"extra_data_axis"}
+DTYPE_SETTINGS = {"compute_dtype", "buffer_dtype"}
+WRAP_PREFIX = "_orig_module."  # what FSDPv2 puts before the names of the modules it wraps
+
+
+def xla_settings(fsdp: FsdpConfig) -> tuple[dict, torch.dtype]:
+    """(kwargs for the FSDPv2 wrapper, compute dtype) from fsdp.xla_fsdp_settings.
+
+    Dtype strings are read as Transformers reads them (`getattr(torch, "bfloat16")`). FSDPv2 has no dtype
+    arguments, so compute_dtype becomes autocast around the forward (master weights stay fp32, as FSDPv1's
+    compute_dtype does); FSDPv1-only settings are errors rather than silently dropped.
+    """
+    settings = dict(fsdp.xla_fsdp_settings)
+    for key in DTYPE_SETTINGS & settings.keys():
+        dtype = getattr(torch, str(settings[key]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ConfigError(f"fsdp.xla_fsdp_settings.{key} is {settings[key]!r}; use a torch dtype name such as "
+                              f"bfloat16 or float32")
+        settings[key] = dtype
+    compute = settings.pop("compute_dtype", torch.float32)
+    if compute not in (torch.float32, torch.bfloat16):
+        raise ConfigError(f"fsdp.xla_fsdp_settings.compute_dtype is {compute}; XLA autocast computes in bfloat16 "
+                          f"(or leave float32)")
+    buffer = settings.pop("buffer_dtype", torch.float32)
+    if buffer != torch.float32:
+        raise ConfigError(f"fsdp.xla_fsdp_settings.buffer_dtype is {buffer}; buffers (RoPE frequencies) stay float32 "
+                          f"here, compute_dtype sets the compute precision; remove it")
+    unknown = settings.keys() - FSDPV2_SETTINGS
+    if unknown:
+        raise ConfigError(f"fsdp.xla_fsdp_settings has {sorted(unknown)}, which SPMD FSDPv2 does not take (FSDPv1-only "
+                          f"options); use compute_dtype or {sorted(FSDPV2_SETTINGS)}")
+    return settings, compute
+
+
+def check_xla_config(cfg: Config, num_devices: int) -> None:
+    """FSDP keys with no XLA FSDPv2 meaning are errors, never silently dropped."""
+    f, t, p = cfg.fsdp, cfg.train, cfg.parallelism
+    if not f.xla_fsdp_v2:
+        raise ConfigError("fsdp.xla_fsdp_v2 is false (FSDPv1, XlaFullyShardedDataParallel), which this script does "
+                          "not implement; set it to true for SPMD FSDPv2")
+    unsupported = {"fsdp.cpu_offload": f.cpu_offload, "fsdp.reshard_after_forward": f.reshard_after_forward is not True,
+                   "fsdp.activation_checkpointing": f.activation_checkpointing, "fsdp.mixed_precision": f.mixed_precision,
+                   "train.gradient_checkpointing": t.gradient_checkpointing, "train.compile": t.compile}
+    for key, value in unsupported.items():
+        if value:
+            raise ConfigError(f"{key} is set, which has no meaning in the XLA FSDPv2 recipe (the XLA compiler shards, "
+                              f"schedules and compiles; use fsdp.xla_fsdp_grad_ckpt for checkpointing and "
+                              f"fsdp.xla_fsdp_settings.compute_dtype for precision); remove it")
+    for key in ("dp_replicate_size", "cp_size", "sp_size", "tp_size", "ep_size"):
+        if getattr(p, key) != 1:
+            raise ConfigError(f"parallelism.{key} is {getattr(p, key)}; the XLA recipe has one fsdp axis over all "
+                              f"devices, set it to 1")
+    if t.micro_batch_size % num_devices:
+        raise ConfigError(f"train.micro_batch_size ({t.micro_batch_size}) is not a multiple of the {num_devices} XLA "
+                          f"devices the batch is sharded over; make it a multiple of {num_devices}")
+    if t.global_batch_size % t.micro_batch_size:
+        raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) is not a multiple of micro_batch_size "
+                          f"({t.micro_batch_size})")
+
+
+def wrap_plan(model: nn.Module, fsdp: FsdpConfig, grad_ckpt: bool) -> tuple[set[nn.Module], set[nn.Module]]:
+    """(modules FSDPv2 wraps below the root, the layers among them to checkpoint), from auto_wrap_policy and
+    transformer_layer_cls_to_wrap exactly as pretrain_fsdp.py plans its fully_shard units."""
+    layer_classes = resolve_layer_classes(model, fsdp)
+    wrapped = {module for unit in plan_units(model, fsdp, layer_classes) for module in unit}
+    layers = {m for m in wrapped if type(m).__name__ in layer_classes} if grad_ckpt else set()
+    if grad_ckpt and not layers:
+        raise ConfigError(f"fsdp.xla_fsdp_grad_ckpt is true but auto_wrap_policy={fsdp.auto_wrap_policy} wraps no "
+                          f"transformer layer to checkpoint; use TRANSFORMER_BASED_WRAP")
+    return wrapped, layers
+
+
+def hf_key(name: str) -> str:
+    """A wrapped model's state-dict key as Transformers names it (FSDPv2 wraps the root and every unit)."""
+    return name.replace(WRAP_PREFIX, "")
+
+
+def shard_output(output, mesh) -> None:
+    """Annotate each wrapped module's output as split over `fsdp` on the batch dim, like its input.
+    Units return hidden states; the root returns Transformers' CausalLMOutputWithPast."""
+    tensor = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
+    if tensor is None:
+        tensor = output[0]
+    xs.mark_sharding(tensor, mesh, ("fsdp",) + (None,) * (tensor.dim() - 1))
+
+
+def build_model(cfg: Config) -> nn.Module:
+    """The full fp32 model in host memory: the checkpoint's weights, or pretrain_fsdp.py's seeded
+    initialisation (the same numbers, so both scripts start from the same model)."""
+    if cfg.model.attn_implementation not in ("sdpa", "eager"):
+        raise ConfigError(f"model.attn_implementation is {cfg.model.attn_implementation!r}; on XLA use eager (sdpa, "
+                          f"the default, is replaced by eager)")
+    # XLA autocast leaves SDPA's inputs alone and RoPE makes Q and K fp32 while V is bf16, which SDPA refuses;
+    # eager attention's matmuls autocast, and XLA fuses them into one kernel anyway.
+    cfg.model.attn_implementation = "eager"
+    hf_config = load_model_config(cfg.model)
+    hf_config.use_cache = False
+    if cfg.model.name_or_path:
+        if is_sharded_export(cfg.model.name_or_path):
+            raise ConfigError(f"model.name_or_path {cfg.model.name_or_path!r} is a DCP checkpoint; give an HF directory "
+                              f"(a FULL_STATE_DICT export)")
+        return AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=torch.float32,
+                                                    attn_implementation=cfg.model.attn_implementation,
+                                                    trust_remote_code=cfg.model.trust_remote_code)
+    model = build_meta_model(hf_config, cfg.model)
+    model.to_empty(device="cpu")
+    init_buffers(model, torch.device("cpu"))
+    init_weights(model, cfg.train.seed, hf_config.initializer_range)
+    return model
+
+
+def token_loss_sum(model, batch, mesh, compute_dtype: torch.dtype) -> torch.Tensor:
+    """Summed token loss of a batch whose rows are split over the `fsdp` axis."""
+    input_ids, labels = batch.input_ids.to(torch_xla.device()), batch.labels.to(torch_xla.device())
+    xs.mark_sharding(input_ids, mesh, ("fsdp", None))
+    xs.mark_sharding(labels, mesh, ("fsdp", None))
+    precision = torch.autocast("xla", dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
+    with precision:
+        logits = model(input_ids=input_ids).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+
+
+def train_step(model, optimizer, micro_batches, mesh, compute_dtype, max_grad_norm: float) -> tuple[float, float, int]:
+    """One optimizer step; the loss is divided by the step's target tokens, as in pretrain_fsdp.py."""
+    tokens = sum(int((b.labels != -100).sum()) for b in micro_batches)  # one process sees the whole batch
+    loss_sum = torch.zeros((), device=torch_xla.device())
+    for batch in micro_batches:
+        loss = token_loss_sum(model, batch, mesh, compute_dtype)
+        (loss / tokens).backward()
+        loss_sum += loss.detach()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grad_norm = torch.nn.utils.get_total_norm(grads)
+    if max_grad_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_grad_norm, grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    torch_xla.sync()  # run the step's graph
+    return loss_sum.item() / tokens, grad_norm.item(), tokens
+
+
+def save_checkpoint(run_dir: str, step: int, model, optimizer, train_state: dict, keep_latest: int, tokenizer) -> str:
+    """DCP of the sharded model and optimizer state (each device's shard written as is), then published as
+    pretrain_fsdp.py publishes its checkpoints. Tensors only: the param groups come from the config."""
+    final = os.path.join(checkpoints_dir(run_dir), f"step-{step}")
+    tmp = f"{final}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict()["state"]}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=SPMDSavePlanner())
+    publish_checkpoint(tmp, final, train_state, model.module.config, tokenizer, keep_latest)
+    return final
+
+
+def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
+    prime_optimizer(optimizer)  # DCP loads in place: the optimizer state must exist, with its sharding
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict()["state"]}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=SPMDLoadPlanner())
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict({"state": state["optim"], "param_groups": optimizer.state_dict()["param_groups"]})
+    return restore_train_state(path, optimizer, scheduler)
+
+
+def export(model, cfg: Config, tokenizer, compute_dtype: torch.dtype) -> str:
+    """FULL_STATE_DICT: an HF directory (tensors gathered to the host one at a time). SHARDED_STATE_DICT: DCP
+    with Transformers' key names, the format of pretrain_fsdp.py's sharded export."""
+    out_dir = os.path.join(cfg.checkpoint.dir, "export")
+    tmp = f"{out_dir}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    if cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
+        state = {hf_key(k): v.cpu().to(compute_dtype) for k, v in model.state_dict().items()}
+        write_hf_directory(model.module, tmp, state, tokenizer, compute_dtype)
+    else:
+        state = {"model": {hf_key(k): v for k, v in model.state_dict().items()}}
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=SPMDSavePlanner())
+        model.module.config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    publish(tmp, out_dir)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args(argv, description=__doc__, xla=True)
+    settings, compute_dtype = xla_settings(cfg.fsdp)
+    if torch_xla is None:
+        raise ConfigError(f"fsdp.xla is true but torch_xla is not importable ({XLA_IMPORT_ERROR}); install "
+                          f"requirements-xla.txt (torch 2.9.0 + torch_xla 2.9.0) in its own environment, see README")
+    if xr.process_count() > 1:
+        # Multi-host TPU: DCP needs a process group to coordinate hosts (each host drives its own devices).
+        torch.distributed.init_process_group("gloo", init_method="xla://")
+    xr.use_spmd()  # before any XLA tensor exists
+    num_devices = xr.global_runtime_device_count()
+    check_xla_config(cfg, num_devices)
+    mesh = xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
+    xs.set_global_mesh(mesh)
+    t, run_dir, is_main = cfg.train, cfg.checkpoint.dir, xr.process_index() == 0
+
+    # Every host builds the whole global batch (deterministic); each device keeps its slice of the batch dim.
+    tokenizer, data = build_batches(cfg.data, t.seed, t.global_batch_size, t.micro_batch_size, dp_rank=0,
+                                    dp_size=1, is_main=is_main)
+    model = build_model(cfg)
+    if len(tokenizer) > model.config.vocab_size:
+        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but model vocab_size is "
+                          f"{model.config.vocab_size}; set model.config.vocab_size >= {len(tokenizer)}")
+    num_params = sum(p.numel() for p in model.parameters())
+    num_embed = model.get_input_embeddings().weight.numel()
+    wrapped, checkpointed = wrap_plan(model, cfg.fsdp, cfg.fsdp.xla_fsdp_grad_ckpt)
+
+    def wrap_unit(module, *args, **kwargs):
+        return FSDPv2(checkpoint_module(module) if module in checkpointed else module, *args, **kwargs)
+
+    # FSDPv2 moves the model to the XLA devices and marks every parameter sharded over `fsdp`.
+    model = FSDPv2(model, mesh=mesh, shard_output=shard_output, auto_wrapper_callable=wrap_unit,
+                   auto_wrap_policy=lambda *a, **kw: lambda_auto_wrap_policy(*a, **kw, lambda_fn=wrapped.__contains__),
+                   **settings)
+    optimizer = build_optimizer(model, cfg, torch.device("cpu"))  # plain (foreach) AdamW on the XLA tensors
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
+    resume_from = find_resume_checkpoint(run_dir, cfg.checkpoint.resume)
+    start_step, samples = 0, 0
+    if resume_from:
+        state = load_checkpoint(resume_from, model, optimizer, scheduler)
+        data.load_state_dict(state["data"], 0)
+        start_step, samples = state["step"], state["samples"]
+
+    timer = StepTimer(t.steps, flops_per_token(num_params, num_embed, model.module.config.num_hidden_layers,
+                                               model.module.config.hidden_size, cfg.data.seq_len), None, num_devices)
+    logger = MetricsLogger(run_dir, is_main, cfg.metrics.tensorboard)
+    if is_main:
+        with open(os.path.join(run_dir, "run_config.json"), "w") as f:
+            json.dump(to_dict(cfg), f, indent=2)
+    logger.log({"event": "model_ready", "params": num_params, "fsdp_units": len(wrapped) + 1,
+                "checkpointed_layers": len(checkpointed), "devices": num_devices, "device": str(torch_xla.device()),
+                "compute_dtype": str(compute_dtype), "resumed_from": resume_from, "start_step": start_step})
+
+    for step in range(start_step + 1, t.steps + 1):
+        micro_batches = data.micro_batches(samples)
+        loss, grad_norm, tokens = train_step(model, optimizer, micro_batches, mesh, compute_dtype, t.max_grad_norm)
+        samples += t.global_batch_size
+        if not np.isfinite(loss):
+            raise SystemExit(f"loss is {loss} at step {step}; stopping without saving, the last checkpoint is intact")
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        if step % cfg.metrics.log_every == 0 or step == t.steps:
+            logger.log({"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
+                        "samples": samples, **timer.record(step - start_step, tokens),
+                        "peak_host_mem_gib": peak_memory_bytes(torch.device("cpu")) / 2**30})
+        else:
+            timer.tokens_since += tokens
+        stopping = t.stop_after and step - start_step >= t.stop_after
+        if (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0) or step == t.steps or stopping:
+            train_state = {"step": step, "samples": samples, "devices": num_devices, "loss": loss,
+                           "scheduler": scheduler.state_dict(), "data": [data.state_dict()]}
+            path = save_checkpoint(run_dir, step, model, optimizer, train_state, cfg.checkpoint.keep_latest, tokenizer)
+            logger.log({"event": "checkpoint", "step": step, "path": path})
+        if stopping and step < t.steps:
+            logger.log({"event": "stopped", "step": step, "reason": "train.stop_after"})
+            logger.close()
+            return
+
+    batch = data.fixed_batch(t.micro_batch_size)  # the check pretrain_fsdp.py logs, for the export to match
+    with torch.no_grad():
+        fixed_loss = token_loss_sum(model, batch, mesh, compute_dtype).item() / int((batch.labels != -100).sum())
+    logger.log({"event": "final", "fixed_batch_loss": fixed_loss})
+    if cfg.checkpoint.export:
+        path = export(model, cfg, tokenizer, compute_dtype)
+        logger.log({"event": "exported", "path": path, "state_dict_type": cfg.fsdp.state_dict_type})
+    logger.close()
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,6 +1,6 @@
 """Resume-checkpoint save and load throughput against the raw sequential write speed of the same disk.
 
-    torchrun --nproc_per_node 2 benchmarks/checkpoint_speed.py [--dir /tmp/ckpt-bench] [--repeats 3]
+    torchrun --nproc_per_node 2 benchmarks/checkpoint_speed.py [--dir /tmp/ckpt-bench] [--repeats 3] [--tiny]
 
 A Llama of about 270M parameters is sharded with the recipe's own apply_fsdp; each repeat saves and loads
 a full resume checkpoint (model + AdamW state = 3x the fp32 parameter bytes) with common/checkpoint.py,
@@ -58,15 +58,19 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp/fsdp2-recipes-ckpt-bench")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--tiny", action="store_true", help="a 1-layer, narrow model: checks that the benchmark runs")
     args = parser.parse_args()
     d = init_distributed("auto", 10)
-    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=args.layers,
-                         num_attention_heads=16, num_key_value_heads=16)
+    width = 64 if args.tiny else 1024
+    config = LlamaConfig(vocab_size=32000, hidden_size=width, intermediate_size=4 * width,
+                         num_hidden_layers=1 if args.tiny else args.layers, num_attention_heads=16,
+                         num_key_value_heads=16)
     model = build_meta_model(config, ModelConfig())
     apply_fsdp(model, build_dp_mesh(d.device.type, 1, d.world_size), FsdpConfig(), d.device.type)
     model.to_empty(device=d.device)
     init_weights(model, 0, 0.02)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     model(input_ids=torch.zeros(1, 8, dtype=torch.long, device=d.device)).logits.sum().backward()
     optimizer.step()  # a training run's optimizer already has its state when it checkpoints
     optimizer.zero_grad()
@@ -81,10 +85,10 @@ def main() -> None:
 
     results = {"save": [], "load": [], "raw write": []}
     for repeat in range(args.repeats):
-        state = {"step": repeat, "samples": 0, "scheduler": {}, "data": []}
+        state = {"step": repeat, "samples": 0, "scheduler": scheduler.state_dict(), "data": []}
         results["save"].append(timed(lambda: save_checkpoint(run_dir, repeat + 1, model, optimizer, state, 1)))
         path = os.path.join(run_dir, "checkpoints", f"step-{repeat + 1}")
-        results["load"].append(timed(lambda: load_checkpoint(path, model, optimizer)))
+        results["load"].append(timed(lambda: load_checkpoint(path, model, optimizer, scheduler)))
         share = ckpt_bytes // d.world_size
         results["raw write"].append(timed(lambda: raw_write(os.path.join(raw_dir, f"rank{d.rank}.bin"), share)))
 

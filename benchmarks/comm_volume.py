@@ -1,6 +1,6 @@
 """FSDP communication per training step, measured against theory.
 
-    python benchmarks/comm_volume.py [--steps 3]
+    python benchmarks/comm_volume.py [--steps 3] [--tiny]
 
 Runs scripts/pretrain_fsdp.py (configs/debug_tiny.json, an MLP width that does not divide the world size, so
 padding shows) with `metrics.comm_stats=true` on 2 and 4 CPU ranks, reshard_after_forward true and false, and
@@ -51,10 +51,12 @@ def measure(world: int, reshard: bool, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true", help="one step: checks that the benchmark runs")
     args = parser.parse_args()
+    args.steps = 1 if args.tiny else args.steps
     print("| ranks | reshard_after_forward | all-gather MB (measured) | theory | ratio | reduce-scatter MB (measured) | theory | ratio |")
     print("|---|---|---|---|---|---|---|---|")
-    for world in (2, 4):
+    for world in (2,) if args.tiny else (2, 4):  # --tiny: one of each code path
         psi = padded_param_bytes(world)
         k = 8 // (2 * world)  # global batch 8, micro-batch 2
         for reshard in (True, False):

@@ -24,6 +24,12 @@ def run_recipe(world: int, overrides: list[str], extra_env: dict | None = None, 
             return [json.loads(line) for line in f]
 
 
+def tiny() -> bool:
+    """`--tiny` on a benchmark's command line: the smallest sizes, so the test suite checks it still runs
+    (its numbers then mean nothing)."""
+    return "--tiny" in sys.argv[1:]
+
+
 def last_step(records: list[dict]) -> dict:
     return [r for r in records if "step" in r and "event" not in r][-1]
 

@@ -1,6 +1,6 @@
 """Expert parallelism on CPU: tokens/s and memory per rank for ep = 1, 2, 4 at a fixed world size of 4.
 
-    python benchmarks/moe_ep.py
+    python benchmarks/moe_ep.py [--tiny]
 
 A 28M-parameter Qwen3-MoE with 16 experts (90% of the weights), fine-tuned for 8 steps on the
 generated arithmetic task by scripts/finetune_moe_ep_fsdp.py. ep=1 is plain FSDP2 (experts all-gathered
@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.launch import REPO, final, run_recipe
+from benchmarks.launch import REPO, final, run_recipe, tiny
 
 MODEL = ["model.config.hidden_size=256", "model.config.moe_intermediate_size=512", "model.config.num_experts=16",
          "model.config.num_hidden_layers=4", "model.config.num_attention_heads=8", "model.config.num_key_value_heads=4",
@@ -25,6 +25,8 @@ MODEL = ["model.config.hidden_size=256", "model.config.moe_intermediate_size=512
          "train.micro_batch_size=4", "metrics.log_every=1", "data.eval_dataset=null", "metrics.comm_stats=true"]
 MOE = os.path.join(REPO, "configs", "debug_moe.json")
 MIB = 2**20
+if tiny():
+    MODEL = ["train.steps=4", "metrics.log_every=1", "data.eval_dataset=null", "metrics.comm_stats=true"]
 
 
 def main() -> None:
@@ -32,7 +34,7 @@ def main() -> None:
           "FSDP all-gather MiB / step |")
     print("|---|---|---|---|---|---|---|")
     base = None
-    for ep in (1, 2, 4):
+    for ep in (1, 2) if tiny() else (1, 2, 4):
         records = run_recipe(4, MODEL + [f"parallelism.ep_size={ep}"], {"MALLOC_MMAP_THRESHOLD_": "131072"},
                              script="finetune_moe_ep_fsdp.py", config=MOE)
         steps = [r for r in records if "step" in r and "event" not in r]

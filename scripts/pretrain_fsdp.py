@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
                 dist.destroy_process_group()
                 return
 
-    final = {"event": "final", "state_bytes_per_rank": gather(sharded_state_bytes(model, optimizer))}
+    final = {"event": "final", "state_bytes_per_rank": gather(sharded_state_bytes(model, optimizer)),
+             "peak_mem_gib_per_rank": gather(peak_memory_bytes(d.device) / GIB)}  # training's peak, every rank
     if not cfg.data.streaming:
         final["fixed_batch_loss"] = fixed_batch_loss(model, data.fixed_batch(t.micro_batch_size), d.device, cp_positions)
     logger.log(final)

@@ -211,8 +211,17 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, train_state: dict
     shutil.rmtree(tmp, ignore_errors=True)
     state = {"model": model.state_dict(), "optim": optimizer.state_dict()["state"]}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=SPMDSavePlanner())
-    publish_checkpoint(tmp, final, train_state, model.module.config, tokenizer, keep_latest)
+    hosts_done()
+    if xr.process_index() == 0:
+        publish_checkpoint(tmp, final, train_state, model.module.config, tokenizer, keep_latest)
+    hosts_done()
     return final
+
+
+def hosts_done() -> None:
+    """Multi-host: wait until every host has finished its part of a write (one host: nothing to wait for)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
 
 
 def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
@@ -232,13 +241,18 @@ def export(model, cfg: Config, tokenizer, compute_dtype: torch.dtype) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     if cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
         state = {hf_key(k): v.cpu().to(compute_dtype) for k, v in model.state_dict().items()}
-        write_hf_directory(model.module, tmp, state, tokenizer, compute_dtype)
+        if xr.process_index() == 0:
+            write_hf_directory(model.module, tmp, state, tokenizer, compute_dtype)
     else:
         state = {"model": {hf_key(k): v for k, v in model.state_dict().items()}}
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=SPMDSavePlanner())
-        model.module.config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-    publish(tmp, out_dir)
+        hosts_done()
+        if xr.process_index() == 0:
+            model.module.config.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+    if xr.process_index() == 0:
+        publish(tmp, out_dir)
+    hosts_done()
     return out_dir
 
 
@@ -276,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     model = FSDPv2(model, mesh=mesh, shard_output=shard_output, auto_wrapper_callable=wrap_unit,
                    auto_wrap_policy=lambda *a, **kw: lambda_auto_wrap_policy(*a, **kw, lambda_fn=wrapped.__contains__),
                    **settings)
-    optimizer = build_optimizer(model, cfg, torch.device("cpu"))  # plain (foreach) AdamW on the XLA tensors
+    optimizer = build_optimizer(model, cfg, torch_xla.device())  # foreach AdamW on the XLA tensors
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
     resume_from = find_resume_checkpoint(run_dir, cfg.checkpoint.resume)
     start_step, samples = 0, 0

@@ -54,27 +54,24 @@ def test_cp1_equals_plain_transformers(export, cp1):
     assert cp1["accuracy"] == pytest.approx(accuracy, abs=1e-9)
 
 
-@pytest.mark.parametrize("nproc,overrides", [
-    (2, ["parallelism.cp_size=2"]),
-    (2, ["parallelism.cp_size=2", "eval.load_balance=false"]),
-    (4, ["parallelism.cp_size=4"]),
-    (4, ["parallelism.cp_size=2"]),  # dp 2 x cp 2
-], ids=["cp2", "cp2-no-load-balance", "cp4", "dp2xcp2"])
-def test_every_layout_gives_the_cp1_result_and_counts_each_token_once(export, cp1, tmp_path, nproc, overrides):
+@pytest.mark.parametrize("nproc,overrides,source", [
+    (2, ["parallelism.cp_size=2"], "export"),
+    (2, ["parallelism.cp_size=2", "eval.load_balance=false"], "export"),
+    (4, ["parallelism.cp_size=4"], "export"),
+    (4, ["parallelism.cp_size=2"], "export"),  # dp 2 x cp 2
+    # The training checkpoint checkpoints/step-3 (DCP of model + optimizer, config and tokenizer beside it) is
+    # read directly, resharded to cp 2, and scores what its export scores.
+    (2, ["parallelism.cp_size=2"], "step-3"),
+], ids=["cp2", "cp2-no-load-balance", "cp4", "dp2xcp2", "cp2-training-checkpoint"])
+def test_every_layout_gives_the_cp1_result_and_counts_each_token_once(export, cp1, tmp_path, nproc, overrides, source):
+    if source != "export":
+        export = os.path.join(os.path.dirname(export), "checkpoints", source)
     result = evaluate(export, tmp_path, *SEQ, *overrides, nproc=nproc)
     assert result["cp_size"] * result["dp_size"] == nproc
     assert result["tokens"] == cp1["tokens"]  # never multiplied by cp
     assert result["eval_loss"] == pytest.approx(cp1["eval_loss"], abs=1e-5)
     assert result["perplexity"] == pytest.approx(cp1["perplexity"], rel=1e-5)
     assert result["accuracy"] == pytest.approx(cp1["accuracy"], abs=1e-9)
-
-
-def test_a_training_checkpoint_evaluates_like_its_export(export, cp1, tmp_path):
-    """checkpoints/step-N (DCP of model + optimizer, config.json beside it) is read directly, resharded to cp 2."""
-    step = os.path.join(os.path.dirname(export), "checkpoints", "step-3")
-    result = evaluate(step, tmp_path, *SEQ, "parallelism.cp_size=2", nproc=2)
-    assert result["tokens"] == cp1["tokens"]
-    assert result["eval_loss"] == pytest.approx(cp1["eval_loss"], abs=1e-5)
 
 
 @pytest.mark.gpu

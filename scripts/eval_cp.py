@@ -129,8 +129,9 @@ def main(argv: list[str] | None = None) -> None:
             input_ids, labels = input_ids.to(d.device), labels.to(d.device)
             position_ids = torch.arange(L, device=d.device).repeat(len(rows), 1)  # real storage: sharded in place
             if attention == "torch_cp":  # torch shards the three buffers in place, then runs ring attention
-                with context_parallel(cp_mesh, buffers=[input_ids, labels, position_ids], buffer_seq_dims=[1, 1, 1],
-                                      no_restore_buffers={input_ids, labels, position_ids}):
+                buffers = [input_ids, labels, position_ids]
+                with context_parallel(cp_mesh["cp"], buffers=buffers, buffer_seq_dims=[1, 1, 1],
+                                      no_restore_buffers=set(buffers)):
                     model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=1, use_cache=False)
             else:
                 input_ids, labels = input_ids[:, positions], labels[:, positions]

@@ -164,7 +164,7 @@ def build_model(cfg: Config) -> nn.Module:
         if is_sharded_export(cfg.model.name_or_path):
             raise ConfigError(f"model.name_or_path {cfg.model.name_or_path!r} is a DCP checkpoint; give an HF directory "
                               f"(a FULL_STATE_DICT export)")
-        return AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=torch.float32,
+        return AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, config=hf_config, dtype=torch.float32,
                                                     attn_implementation=cfg.model.attn_implementation,
                                                     trust_remote_code=cfg.model.trust_remote_code)
     model = build_meta_model(hf_config, cfg.model)

@@ -21,7 +21,10 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.launch import REPO, steady_step
+
 LLAMA_1B = ["model.config.hidden_size=2048", "model.config.intermediate_size=8192", "model.config.num_hidden_layers=16",
             "model.config.num_attention_heads=32", "model.config.num_key_value_heads=8",
             "model.config.vocab_size=128256", "model.config.max_position_embeddings=4096", "data.seq_len=4096",
@@ -70,13 +73,11 @@ def speed(out: str, device: str, tiny: bool) -> list[dict]:
     for name, overrides in list(VARIANTS.items())[:1 if tiny else None]:
         config, sizes = ("debug_tiny.json", TINY_SPEED) if tiny else ("debug_llama.json", LLAMA_1B)
         records = script("pretrain_fsdp.py", config, f"{out}/speed_{len(rows)}", *sizes, *overrides, device=device)
-        steps = [r for r in records if "step" in r and "event" not in r][2:]  # leave out allocation and compile
-        steps.sort(key=lambda r: r["tokens_per_s"])
-        median = steps[len(steps) // 2]
+        median = steady_step(records)
         ready = next(r for r in records if r.get("event") == "model_ready")
         rows.append({"variant": name, "params": ready["params"], "overrides": overrides,
                      "tokens_per_s": median["tokens_per_s"], "mfu": median["mfu"],
-                     "peak_mem_gib": max(r["peak_mem_gib"] for r in steps)})
+                     "peak_mem_gib": max(r["peak_mem_gib"] for r in records if "peak_mem_gib" in r)})
     return rows
 
 

@@ -30,6 +30,13 @@ def tiny() -> bool:
     return "--tiny" in sys.argv[1:]
 
 
+def steady_step(records: list[dict]) -> dict:
+    """The median step by tokens/s, leaving out the first two (allocator and, with compile, tracing)."""
+    steps = sorted((r for r in records if "step" in r and "event" not in r and r["step"] > 2),
+                   key=lambda r: r["tokens_per_s"])
+    return steps[len(steps) // 2]
+
+
 def last_step(records: list[dict]) -> dict:
     return [r for r in records if "step" in r and "event" not in r][-1]
 

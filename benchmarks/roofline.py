@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from benchmarks.launch import run_recipe
+from benchmarks.launch import run_recipe, steady_step
 
 COLLECTIVE_BYTES = 64 * 2**20
 
@@ -90,13 +90,6 @@ def measure_bandwidth(world: int, tiny: bool) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def steady(records: list[dict]) -> dict:
-    """The median step by tokens/s, leaving out the first two (allocator and, with compile, tracing)."""
-    steps = sorted((r for r in records if "step" in r and "event" not in r and r["step"] > 2),
-                   key=lambda r: r["tokens_per_s"])
-    return steps[len(steps) // 2]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8)
@@ -128,7 +121,7 @@ def main() -> None:
     two = run_recipe(2, [*model, "train.global_batch_size=4", "train.micro_batch_size=2"])
     one = run_recipe(1, [*model, "train.global_batch_size=2", "train.micro_batch_size=2"])  # rank 0's share, alone
     ready = next(r for r in two if r.get("event") == "model_ready")
-    step2, step1 = steady(two), steady(one)
+    step2, step1 = steady_step(two), steady_step(one)
     step_time = step2["tokens"] / step2["tokens_per_s"]
     compute_time = step1["tokens"] / step1["tokens_per_s"]
     comm_time = step2["all_gather_bytes"] / bandwidth["all_gather"] + \

@@ -7,8 +7,9 @@ padding shows) with `metrics.comm_stats=true` on 2 and 4 CPU ranks, reshard_afte
 compares the all-gather and reduce-scatter bytes of the last step with
 
     Psi = sum over parameters of ceil(dim0 / W) * W * prod(other dims) * bytes per element   (FSDP2 pads dim 0)
-    all-gather     = (2 if reshard_after_forward else 1) * k * Psi    (forward, and again in backward)
-    reduce-scatter = k * Psi                                          (k = micro-batches per step)
+    all-gather     = (2 if reshard_after_forward else 1) * k * Psi    (k = micro-batches per step; forward,
+                                                                      and again in backward)
+    reduce-scatter = Psi          (once per step, on the last micro-batch; k * Psi with train.sync_each_batch)
 
 Prints a markdown table; the ratios should be 1.00.
 """
@@ -62,7 +63,7 @@ def main() -> None:
         for reshard in (True, False):
             r = measure(world, reshard, args.steps)
             ag_theory = (2 if reshard else 1) * k * psi
-            rs_theory = k * psi
+            rs_theory = psi  # once per step, on the last micro-batch (train.sync_each_batch=false)
             print(f"| {world} | {reshard} | {r['all_gather_bytes'] / 1e6:.3f} | {ag_theory / 1e6:.3f} | "
                   f"{r['all_gather_bytes'] / ag_theory:.2f} | {r['reduce_scatter_bytes'] / 1e6:.3f} | "
                   f"{rs_theory / 1e6:.3f} | {r['reduce_scatter_bytes'] / rs_theory:.2f} |", flush=True)

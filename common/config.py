@@ -42,6 +42,7 @@ class DataConfig:
     text_field: str = "text"
     streaming: bool = False  # hub datasets only
     pack: bool = True  # concatenate documents with EOS; false: one padded document per sample
+    document_mask: bool = False  # packed documents attend only within themselves (position ids restart after EOS)
     tokenizer: str | None = None  # None: the embedded byte-level BPE tokenizer
     seq_len: int = 256
     embedded_max_bytes: int = 4_000_000
@@ -66,6 +67,9 @@ class TrainConfig:
     seed: int = 0
     gradient_checkpointing: bool = False  # the HF model's own; use fsdp.activation_checkpointing instead
     compile: bool = False  # torch.compile each transformer layer
+    # Accelerate's sync_each_batch: false reduce-scatters gradients once per step, on the last micro-batch (the
+    # others accumulate unsharded gradients: fewer collectives, more memory); true, after every micro-batch.
+    sync_each_batch: bool = False
     device: str = "auto"  # auto | cpu | cuda
     stop_after: int = 0  # stop (with a checkpoint) after this many steps of this run, keeping the train.steps schedule
     router_aux_loss_coef: float | None = None  # MoE load-balancing loss weight; None: the model config's own

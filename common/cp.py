@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed._functional_collectives import all_gather_tensor_autograd
+from torch.distributed._functional_collectives import all_gather_tensor, all_gather_tensor_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, PretrainedConfig
@@ -33,24 +33,43 @@ TORCH_ATTENTION = "cp_torch"
 QUERY_BLOCK = 1024
 
 
+def _gather_sequence(local: torch.Tensor, dim: int) -> torch.Tensor:
+    """This rank's shard of every sequence -> whole sequences in position order (no gradient)."""
+    if CP["size"] == 1:
+        return local
+    full = all_gather_tensor(local.contiguous(), gather_dim=dim, group=CP["group"])
+    return full if CP["key_order"] is None else full.index_select(dim, CP["key_order"])
+
+
 def allgather_kv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Causal attention over a sequence sharded across the cp group: gather K and V, mask by global position.
 
     HF's attention_mask describes only the local shard, so it is ignored. Each contiguous block of this
     rank's queries, global positions [start, end), attends to the keys before `end` with a lower-right causal
     bias, which CUDA kernels apply without materialising a mask (a [local, full] mask at 128k tokens would be
-    gigabytes) and which skips keys no query here can see.
+    gigabytes) and which skips keys no query here can see. With data.document_mask, a [block, end] boolean
+    mask also keeps each query inside its document, found from the position ids (a document starts at 0).
     """
     if CP["size"] > 1:
         key = all_gather_tensor_autograd(key.contiguous(), gather_dim=2, group=CP["group"])
         value = all_gather_tensor_autograd(value.contiguous(), gather_dim=2, group=CP["group"])
         if CP["key_order"] is not None:  # head-tail shards arrive out of order; sort keys by position
             key, value = key[:, :, CP["key_order"]], value[:, :, CP["key_order"]]
+    if CP["document_mask"]:
+        documents = (_gather_sequence(kwargs["position_ids"], dim=1) == 0).cumsum(dim=1)  # [batch, seq]
+        query_documents = documents[:, CP["positions"]]
     gqa = query.shape[1] != key.shape[1]
-    blocks = [F.scaled_dot_product_attention(query[:, :, local:local + end - start], key[:, :, :end],
-                                             value[:, :, :end], attn_mask=causal_lower_right(end - start, end),
-                                             scale=scaling, enable_gqa=gqa)
-              for local, start, end in CP["query_blocks"]]
+    blocks = []
+    for local, start, end in CP["query_blocks"]:
+        if CP["document_mask"]:
+            causal = torch.arange(start, end, device=query.device)[:, None] >= torch.arange(end, device=query.device)
+            same_document = query_documents[:, local:local + end - start, None] == documents[:, None, :end]
+            mask = (causal & same_document).unsqueeze(1)
+        else:
+            mask = causal_lower_right(end - start, end)
+        blocks.append(F.scaled_dot_product_attention(query[:, :, local:local + end - start], key[:, :, :end],
+                                                     value[:, :, :end], attn_mask=mask, scale=scaling,
+                                                     enable_gqa=gqa))
     return torch.cat(blocks, dim=2).transpose(1, 2).contiguous(), None
 
 
@@ -89,9 +108,11 @@ def check_cp(seq_len: int, cp_size: int, load_balance: bool, hf_config: Pretrain
                           f"wrong; evaluate it with cp_size=1")
 
 
-def setup(seq_len: int, cp_size: int, load_balance: bool, device: torch.device) -> tuple[torch.Tensor, int, DeviceMesh]:
+def setup(seq_len: int, cp_size: int, load_balance: bool, device: torch.device,
+          document_mask: bool = False) -> tuple[torch.Tensor, int, DeviceMesh]:
     """Set this rank's CP state. Returns the positions it holds (index inputs, labels and position ids with
-    them), its data-parallel rank, and the cp mesh.
+    them), its data-parallel rank, and the cp mesh. With document_mask the model must be given position ids
+    that restart at 0 for every document (common/data.document_positions), sharded like the inputs.
 
     The (dp, cp) mesh puts the cp ranks of one data-parallel rank next to each other, so a row-major FSDP
     mesh over the same ranks (build_dp_mesh with dp_shard x cp) shards over dp x cp, with or without HSDP.
@@ -108,6 +129,6 @@ def setup(seq_len: int, cp_size: int, load_balance: bool, device: torch.device) 
             blocks.append((local, start, end))
             local += end - start
     ordered = bool((every_rank.diff() == 1).all())
-    CP.update(size=cp_size, group=mesh.get_group("cp"), query_blocks=blocks,
-              key_order=None if ordered else every_rank.argsort().to(device))
+    CP.update(size=cp_size, group=mesh.get_group("cp"), query_blocks=blocks, document_mask=document_mask,
+              positions=positions.to(device), key_order=None if ordered else every_rank.argsort().to(device))
     return positions.to(device), mesh.get_local_rank("dp"), mesh

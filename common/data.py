@@ -173,18 +173,27 @@ class Batch:
     input_ids: torch.Tensor  # [micro_batch, seq_len]
     labels: torch.Tensor  # [micro_batch, seq_len], -100 where no loss is taken
     sample_ids: list[int]  # global sample positions, for tests and resumption
-    position_ids: torch.Tensor | None = None  # SFT: restart at 0 per packed example
+    position_ids: torch.Tensor | None = None  # restart at 0 per packed example (SFT) or document (document_mask)
     token_mask: torch.Tensor | None = None  # SFT: True for real tokens, False for padding
+
+
+def document_positions(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Position ids that restart after every EOS. Given these, each packed document attends only to itself:
+    Transformers builds that mask from them in one process, and common/cp.py's attention does under CP."""
+    index = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    starts = torch.zeros_like(input_ids, dtype=torch.bool)
+    starts[:, 1:] = input_ids[:, :-1] == eos_id
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
 
 
 class LocalBatches:
     """Deterministic, world-size-independent micro-batches for one data-parallel rank."""
 
     def __init__(self, tokens_path: str, pad_id: int, seed: int, global_batch: int, micro_batch: int,
-                 dp_rank: int, dp_size: int):
+                 dp_rank: int, dp_size: int, document_eos: int | None = None):
         self.tokens_path = tokens_path
         self.rows = np.load(tokens_path, mmap_mode="r")
-        self.pad_id, self.seed = pad_id, seed
+        self.pad_id, self.seed, self.document_eos = pad_id, seed, document_eos
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self._epoch, self._perm = -1, None
@@ -221,7 +230,9 @@ class LocalBatches:
         inputs[inputs == PAD] = self.pad_id
         labels = rows[:, 1:].clone()
         labels[labels == PAD] = -100
-        return Batch(inputs, labels, positions)
+        if self.document_eos is None:
+            return Batch(inputs, labels, positions)
+        return Batch(inputs, labels, positions, position_ids=document_positions(inputs, self.document_eos))
 
 
 class StreamingBatches:
@@ -284,7 +295,9 @@ class StreamingBatches:
             rows = torch.tensor([self._next_row() for _ in range(self.micro_batch)])
             positions = list(range(self.consumed, self.consumed + self.micro_batch))
             self.consumed += self.micro_batch
-            out.append(Batch(rows[:, :-1].clone(), rows[:, 1:].clone(), positions))
+            inputs = rows[:, :-1].clone()
+            documents = document_positions(inputs, self.tokenizer.eos_token_id) if self.cfg.document_mask else None
+            out.append(Batch(inputs, rows[:, 1:].clone(), positions, position_ids=documents))
         return out
 
 
@@ -313,4 +326,5 @@ def build_batches(cfg: DataConfig, seed: int, global_batch: int, micro_batch: in
     tokens_path = prepare_local_data(cfg, is_main)
     tokenizer = load_tokenizer(cfg)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return tokenizer, LocalBatches(tokens_path, pad_id, seed, global_batch, micro_batch, dp_rank, dp_size)
+    document_eos = tokenizer.eos_token_id if cfg.document_mask else None
+    return tokenizer, LocalBatches(tokens_path, pad_id, seed, global_batch, micro_batch, dp_rank, dp_size, document_eos)

@@ -74,9 +74,12 @@ def main(argv: list[str] | None = None) -> None:
     device_type = resolve_device(cfg.train.device).type
     attention = e.attention
     if attention == "auto":
-        attention = "torch_cp" if device_type == "cuda" and p.cp_size > 1 else "allgather"
+        attention = "torch_cp" if device_type == "cuda" and p.cp_size > 1 and not cfg.data.document_mask else "allgather"
     if attention not in ("allgather", "torch_cp"):
         raise ConfigError(f"eval.attention is {e.attention!r}; use auto, allgather or torch_cp")
+    if attention == "torch_cp" and cfg.data.document_mask:
+        raise ConfigError("eval.attention is 'torch_cp' but data.document_mask is true; torch's context_parallel "
+                          "supports plain causal attention only, so use auto or allgather")
     if attention == "torch_cp" and device_type != "cuda":
         raise ConfigError("eval.attention is 'torch_cp', which needs CUDA SDPA kernels (torch has no CP sharding "
                           "rule for the CPU kernel); use auto or allgather")
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     d = init_distributed(cfg.train.device, p.timeout_minutes)
     dp_size = d.world_size // p.cp_size
     L = cfg.data.seq_len
-    positions, dp_rank, cp_mesh = cp.setup(L, p.cp_size, e.load_balance, d.device)
+    positions, dp_rank, cp_mesh = cp.setup(L, p.cp_size, e.load_balance, d.device, cfg.data.document_mask)
     set_rotate_method(p.cp_comm_strategy)  # torch_cp only: how K/V shards travel between cp ranks
     _cp_options.enable_load_balance = e.load_balance  # torch_cp: its head-tail shards, the same as ours
     tokenizer, data = build_batches(cfg.data, cfg.train.seed, dp_size, 1, 0, 1, is_main=d.is_main)
@@ -127,16 +130,17 @@ def main(argv: list[str] | None = None) -> None:
             input_ids, labels = batch.input_ids[rows], batch.labels[rows].clone()
             labels[[j for j, i in enumerate(index) if i >= num]] = -100
             input_ids, labels = input_ids.to(d.device), labels.to(d.device)
-            position_ids = torch.arange(L, device=d.device).repeat(len(rows), 1)  # real storage: sharded in place
             if attention == "torch_cp":  # torch shards the three buffers in place, then runs ring attention
+                position_ids = torch.arange(L, device=d.device).repeat(len(rows), 1)  # real storage: sharded in place
                 buffers = [input_ids, labels, position_ids]
                 with context_parallel(cp_mesh["cp"], buffers=buffers, buffer_seq_dims=[1, 1, 1],
                                       no_restore_buffers=set(buffers)):
                     model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=1, use_cache=False)
-            else:
+            else:  # with data.document_mask, position ids restart per document (the attention masks by them)
+                position_ids = positions.expand(len(rows), -1) if batch.position_ids is None else (
+                    batch.position_ids[rows].to(d.device)[:, positions])
                 input_ids, labels = input_ids[:, positions], labels[:, positions]
-                model(input_ids=input_ids, position_ids=positions.expand(len(rows), -1), logits_to_keep=1,
-                      use_cache=False)
+                model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=1, use_cache=False)
             loss_sum, valid, correct = head_loss(model, hidden["last"], labels, e.loss_chunk_tokens)
             totals += torch.tensor([loss_sum, valid, correct], dtype=torch.float64)
     dist.all_reduce(totals)  # over dp x cp: token counts were never multiplied by cp, shards partition sequences

@@ -85,7 +85,8 @@ def global_sum(value: torch.Tensor, tp: int) -> torch.Tensor:
     return value / tp
 
 
-def train_step(model, optimizer, micro_batches, loss_fn: MoeLoss, device, max_grad_norm: float, tp: int) -> dict:
+def train_step(model, optimizer, micro_batches, loss_fn: MoeLoss, device, max_grad_norm: float, tp: int,
+               sync_each_batch: bool) -> dict:
     """One optimizer step; the loss is divided by the global answer-token count and FSDP sums gradients
     (see apply_fsdp), so any (fsdp, ep, tp) layout gives the one-process update."""
     targets = [(b.labels != -100).sum() for b in micro_batches]
@@ -93,7 +94,8 @@ def train_step(model, optimizer, micro_batches, loss_fn: MoeLoss, device, max_gr
     processed = global_sum(sum(b.token_mask.sum() for b in micro_batches).double().to(device), tp)
     ce_sum = aux_sum = torch.zeros((), device=device, dtype=torch.float64)
     load = 0
-    for batch, tokens in zip(micro_batches, targets):
+    for i, (batch, tokens) in enumerate(zip(micro_batches, targets)):
+        model.set_requires_gradient_sync(sync_each_batch or i == len(micro_batches) - 1)  # see train.sync_each_batch
         ce, aux, counts = loss_fn(model, batch, device)
         # The aux loss is a per-micro-batch mean; weighting it by the batch's answer tokens makes its sum
         # over ranks a token-weighted mean that does not depend on how the batch is split.
@@ -149,6 +151,11 @@ def main(argv: list[str] | None = None) -> None:
         raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) is not a multiple of micro_batch_size "
                           f"({t.micro_batch_size}) x data-parallel size ({sizes.dp}); make it a multiple of "
                           f"{t.micro_batch_size * sizes.dp}")
+    if sizes.tp > 1 and not t.sync_each_batch and t.global_batch_size > t.micro_batch_size * sizes.dp:
+        # Measured: fsdp 2 x tp 2 x ep 2 with 2 micro-batches moved the grad norm 1.2e-5 (relative) off the
+        # one-process run when gradients were reduce-scattered only on the last micro-batch; exact otherwise.
+        raise ConfigError(f"train.sync_each_batch is false with parallelism.tp_size={sizes.tp} and gradient "
+                          f"accumulation, which changes the gradients here; set train.sync_each_batch=true")
     if cfg.data.dataset == "embedded":
         raise ConfigError("data.dataset is 'embedded' (pretraining text); give SFT JSONL or 'arithmetic'")
     resolve_layer_classes(model, cfg.fsdp)
@@ -219,7 +226,8 @@ def main(argv: list[str] | None = None) -> None:
         for step in range(start_step + 1, t.steps + 1):
             maybe_inject_fault("kill", step, run_dir)
             micro_batches = data.micro_batches(samples)
-            stats = train_step(model, optimizer, micro_batches, loss_fn, d.device, t.max_grad_norm, sizes.tp)
+            stats = train_step(model, optimizer, micro_batches, loss_fn, d.device, t.max_grad_norm, sizes.tp,
+                               t.sync_each_batch)
             samples += t.global_batch_size
             if not math.isfinite(stats["loss"]):
                 raise SystemExit(f"loss is {stats['loss']} at step {step}; stopping without saving, the last "

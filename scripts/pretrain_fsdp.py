@@ -33,7 +33,7 @@ from common.checkpoint import (
     save_checkpoint,
 )
 from common.config import ConfigError, parse_args, resolve_mixed_precision, run_cli, to_dict
-from common.data import build_batches
+from common.data import Batch, build_batches
 from common.mesh import build_dp_mesh, gather, init_distributed, resolve_dp_sizes
 from common.metrics import (
     CommCounter,
@@ -52,19 +52,21 @@ from common.wrap import apply_fsdp, resolve_layer_classes
 GIB = 2**30
 
 
-def token_loss_sum(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+def token_loss_sum(model: torch.nn.Module, batch: Batch, device: torch.device,
                    cp_positions: torch.Tensor | None) -> torch.Tensor:
-    """Summed token loss; with context parallelism, over this rank's positions of each sequence only."""
-    if cp_positions is None:
-        logits = model(input_ids=input_ids).logits
-    else:
-        input_ids, labels = input_ids[:, cp_positions], labels[:, cp_positions]  # labels were shifted on the full row
-        logits = model(input_ids=input_ids, position_ids=cp_positions.expand(len(input_ids), -1)).logits
+    """Summed token loss; with context parallelism, over this rank's positions of each sequence only.
+    With data.document_mask the batch's position ids restart per document, which keeps attention inside it."""
+    input_ids, labels = batch.input_ids.to(device), batch.labels.to(device)
+    position_ids = None if batch.position_ids is None else batch.position_ids.to(device)
+    if cp_positions is not None:  # labels were shifted on the full row; everything is sharded the same way
+        input_ids, labels = input_ids[:, cp_positions], labels[:, cp_positions]
+        position_ids = cp_positions.expand(len(input_ids), -1) if position_ids is None else position_ids[:, cp_positions]
+    logits = model(input_ids=input_ids, position_ids=position_ids).logits
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
 
 
-def train_step(model, optimizer, micro_batches, device, max_grad_norm: float,
-               cp_positions: torch.Tensor | None) -> tuple[float, float, int]:
+def train_step(model, optimizer, micro_batches, device, max_grad_norm: float, cp_positions: torch.Tensor | None,
+               sync_each_batch: bool) -> tuple[float, float, int]:
     """One optimizer step over this rank's micro-batches; returns (mean token loss, grad norm, tokens).
 
     The loss is divided by the number of target tokens summed over all ranks and micro-batches, and FSDP
@@ -72,13 +74,14 @@ def train_step(model, optimizer, micro_batches, device, max_grad_norm: float,
     with or without padding.
     """
     # Counted on the shards each rank trains on: cp shards partition a sequence, so no token counts twice.
-    shard = (lambda labels: labels) if cp_positions is None else (lambda labels: labels[:, cp_positions])
+    shard = (lambda labels: labels) if cp_positions is None else (lambda labels: labels[:, cp_positions.cpu()])
     local_tokens = sum(int((shard(b.labels) != -100).sum()) for b in micro_batches)
     global_tokens = torch.tensor(local_tokens, device=device, dtype=torch.float64)
     dist.all_reduce(global_tokens)
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    for batch in micro_batches:
-        loss = token_loss_sum(model, batch.input_ids.to(device), batch.labels.to(device), cp_positions)
+    for i, batch in enumerate(micro_batches):
+        model.set_requires_gradient_sync(sync_each_batch or i == len(micro_batches) - 1)
+        loss = token_loss_sum(model, batch, device, cp_positions)
         (loss / global_tokens.float()).backward()
         loss_sum += loss.detach()
     grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)
@@ -91,7 +94,7 @@ def train_step(model, optimizer, micro_batches, device, max_grad_norm: float,
 @torch.no_grad()
 def fixed_batch_loss(model, batch, device, cp_positions: torch.Tensor | None) -> float:
     """Mean token loss on a fixed batch (the first rows of the data), to check exports against."""
-    loss = token_loss_sum(model, batch.input_ids.to(device), batch.labels.to(device), cp_positions)
+    loss = token_loss_sum(model, batch, device, cp_positions)
     if cp_positions is not None:
         dist.all_reduce(loss, group=cp.CP["group"])  # each cp rank scored its own positions
     return (loss / (batch.labels != -100).sum()).item()
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     mesh = build_dp_mesh(d.device.type, dp_replicate, dp_shard * cp_size)
     cp_positions, dp_rank = None, d.rank
     if cp_size > 1:
-        cp_positions, dp_rank, _ = cp.setup(cfg.data.seq_len, cp_size, True, d.device)
+        cp_positions, dp_rank, _ = cp.setup(cfg.data.seq_len, cp_size, True, d.device, cfg.data.document_mask)
     torch.manual_seed(t.seed)
 
     # Data before the model, so a missing dataset or tokenizer fails before any memory is allocated.
@@ -177,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
             maybe_inject_fault("kill", step, run_dir)
             maybe_inject_fault("hang", step, run_dir)
             micro_batches = data.micro_batches(samples)
-            loss, grad_norm, tokens = train_step(model, optimizer, micro_batches, d.device, t.max_grad_norm, cp_positions)
+            loss, grad_norm, tokens = train_step(model, optimizer, micro_batches, d.device, t.max_grad_norm,
+                                                 cp_positions, t.sync_each_batch)
             samples += t.global_batch_size
             if maybe_inject_fault("nan", step, run_dir):
                 loss = math.nan

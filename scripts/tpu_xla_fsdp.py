@@ -105,12 +105,16 @@ def check_xla_config(cfg: Config, num_devices: int) -> None:
                           "not implement; set it to true for SPMD FSDPv2")
     unsupported = {"fsdp.cpu_offload": f.cpu_offload, "fsdp.reshard_after_forward": f.reshard_after_forward is not True,
                    "fsdp.activation_checkpointing": f.activation_checkpointing, "fsdp.mixed_precision": f.mixed_precision,
-                   "train.gradient_checkpointing": t.gradient_checkpointing, "train.compile": t.compile}
+                   "train.gradient_checkpointing": t.gradient_checkpointing, "train.compile": t.compile,
+                   "train.sync_each_batch": t.sync_each_batch}
     for key, value in unsupported.items():
         if value:
             raise ConfigError(f"{key} is set, which has no meaning in the XLA FSDPv2 recipe (the XLA compiler shards, "
                               f"schedules and compiles; use fsdp.xla_fsdp_grad_ckpt for checkpointing and "
                               f"fsdp.xla_fsdp_settings.compute_dtype for precision); remove it")
+    if cfg.data.document_mask:
+        raise ConfigError("data.document_mask is true, which the XLA recipe does not implement (its attention is "
+                          "plain causal over the packed row); set it to false")
     for key in ("dp_replicate_size", "cp_size", "sp_size", "tp_size", "ep_size"):
         if getattr(p, key) != 1:
             raise ConfigError(f"parallelism.{key} is {getattr(p, key)}; the XLA recipe has one fsdp axis over all "

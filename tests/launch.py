@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -63,3 +64,13 @@ def losses(records: list[dict]) -> list[float]:
 
 def event(records: list[dict], name: str) -> dict:
     return next(r for r in records if r.get("event") == name)
+
+
+def write_short_documents(path) -> str:
+    """A JSONL corpus of 600 documents of 5-40 words, so packed rows of 64+ tokens hold several documents."""
+    rng = random.Random(0)
+    words = "the model reads every token of a short document and then another one begins after it".split()
+    with open(path, "w") as f:
+        for _ in range(600):
+            f.write(json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(5, 40)))}) + "\n")
+    return str(path)

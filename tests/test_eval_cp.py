@@ -6,11 +6,11 @@ import os
 import numpy as np
 import pytest
 import torch
-from launch import REPO, TINY, run
-from transformers import AutoModelForCausalLM
+from launch import REPO, TINY, run, write_short_documents
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.config import DataConfig
-from common.data import LocalBatches, prepare_local_data
+from common.data import LocalBatches, document_positions, prepare_local_data
 
 EVAL = os.path.join(REPO, "configs", "debug_eval_cp.json")
 SEQ = ["data.seq_len=256", "eval.max_sequences=8"]
@@ -86,6 +86,28 @@ def test_torch_context_parallel_gives_the_allgather_result_on_cuda(export, tmp_p
     assert torch_cp["eval_loss"] == pytest.approx(ours["eval_loss"], abs=1e-4)  # different fp32 kernels
 
 
+def test_document_mask_keeps_attention_inside_each_document_at_every_cp(export, tmp_path):
+    corpus = write_short_documents(tmp_path / "short.jsonl")
+    common = [f"data.dataset={corpus}", "data.seq_len=256", "eval.max_sequences=4", "data.document_mask=true"]
+    cfg = DataConfig(dataset=corpus, seq_len=256, tokenizer=export)
+    batch = LocalBatches(prepare_local_data(cfg, is_main=True), 0, 0, 1, 1, 0, 1).fixed_batch(4)
+    eos = AutoTokenizer.from_pretrained(export).eos_token_id
+    position_ids = document_positions(batch.input_ids, eos)
+    assert (position_ids == 0).sum() > 4 * 5  # several documents per row
+    model = AutoModelForCausalLM.from_pretrained(export, attn_implementation="sdpa").eval()
+    with torch.no_grad():  # Transformers' own packed-sequence mask, built from position ids that restart
+        masked, plain = (model(input_ids=batch.input_ids, position_ids=ids, use_cache=False).logits
+                         for ids in (position_ids, None))
+    tokens = int((batch.labels != -100).sum())
+    losses = [torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="sum").item()
+              / tokens for logits in (masked, plain)]
+    assert abs(losses[0] - losses[1]) > 1e-3  # the mask matters on this data (tolerance below: 1e-5)
+    for nproc, cp_size in [(1, 1), (4, 4)]:
+        result = evaluate(export, tmp_path / f"cp{cp_size}", *common, f"parallelism.cp_size={cp_size}", nproc=nproc)
+        assert result["tokens"] == tokens
+        assert result["eval_loss"] == pytest.approx(losses[0], abs=1e-5)
+
+
 def test_padding_and_an_uneven_last_batch_are_not_counted(export, tmp_path):
     common = ["data.seq_len=256", "data.pack=false", "eval.max_sequences=7"]
     single = evaluate(export, tmp_path / "a", *common, "parallelism.cp_size=1")
@@ -121,6 +143,7 @@ def run_eval_env(export, tmp_path, overrides, env) -> dict:
     (["data.seq_len=250", "parallelism.cp_size=2"], "use 248 or 252"),
     (["model.name_or_path=/nonexistent/model", "parallelism.cp_size=1"], "model.name_or_path '/nonexistent/model'"),
     (["eval.attention=torch_cp", "train.device=cpu", "parallelism.cp_size=1"], "needs CUDA SDPA kernels"),
+    (["eval.attention=torch_cp", "data.document_mask=true", "parallelism.cp_size=1"], "plain causal attention only"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, overrides, message):
     proc = run("eval_cp.py", ["--config", EVAL, f"checkpoint.dir={tmp_path}", *overrides], nproc=0, check=False)

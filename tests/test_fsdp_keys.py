@@ -25,6 +25,17 @@ def test_reshard_after_forward_false_skips_the_backward_all_gather(tmp_path):
         assert r["reduce_scatter_bytes"] == param_bytes
 
 
+def test_gradients_are_reduce_scattered_once_per_step_unless_sync_each_batch(tmp_path):
+    two_micro = ["train.steps=3", "train.micro_batch_size=2", "checkpoint.export=false", "metrics.comm_stats=true"]
+    once = pretrain(tmp_path / "once", *two_micro)  # 8 sequences / 2 ranks / micro-batch 2: 2 micro-batches
+    each = pretrain(tmp_path / "each", *two_micro, "train.sync_each_batch=true")
+    assert losses(once) == pytest.approx(losses(each), abs=1e-6)
+    param_bytes = event(once, "model_ready")["params"] * 4
+    assert all(r["reduce_scatter_bytes"] == param_bytes for r in steps(once))
+    assert all(r["reduce_scatter_bytes"] == 2 * param_bytes for r in steps(each))
+    assert all(r["all_gather_bytes"] == 2 * 2 * param_bytes for r in steps(once) + steps(each))
+
+
 BIG_ACTIVATIONS = ["model.config.hidden_size=256", "model.config.intermediate_size=1024",
                    "model.config.num_hidden_layers=4", "data.seq_len=256", "train.steps=2",
                    "train.global_batch_size=16", "train.micro_batch_size=16", "checkpoint.export=false"]

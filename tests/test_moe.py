@@ -28,7 +28,8 @@ LAYOUTS = {  # (world size, overrides): the issue's layouts, plus TP
     "fsdp4-ep2": (4, ["parallelism.fsdp_size=4", "parallelism.ep_size=2", "checkpoint.interval=3"]),
     "fsdp4-ep4": (4, ["parallelism.fsdp_size=4", "parallelism.ep_size=4", "fsdp.cpu_ram_efficient_loading=true"]),
     "hsdp2x2-ep2": (4, ["parallelism.dp_replicate_size=2", "parallelism.fsdp_size=2", "parallelism.ep_size=2"]),
-    "fsdp2-tp2-ep2": (4, ["parallelism.fsdp_size=2", "parallelism.tp_size=2", "parallelism.ep_size=2"]),
+    "fsdp2-tp2-ep2": (4, ["parallelism.fsdp_size=2", "parallelism.tp_size=2", "parallelism.ep_size=2",
+                          "train.sync_each_batch=true"]),
 }
 
 
@@ -209,6 +210,14 @@ def test_bad_input_is_one_line_on_every_rank_before_anything_is_written(tmp_path
     assert proc.returncode != 0 and len(errors) == 2, proc.stderr[-2000:]
     assert all("parallelism.ep_size (2) does not divide the model's 3 experts" in line for line in errors)
     assert not os.path.exists(tmp_path / "run")
+
+
+def test_tp_with_gradient_accumulation_must_sync_each_micro_batch(tmp_path):
+    tp = ["parallelism.fsdp_size=2", "parallelism.tp_size=2", "parallelism.ep_size=2"]
+    proc = run("finetune_moe_ep_fsdp.py", ["--config", MOE, f"checkpoint.dir={tmp_path / 'run'}", *tp], nproc=0,
+               check=False, extra_env={"WORLD_SIZE": "4"}, timeout=120)  # refused before any process group
+    assert proc.returncode == 2 and "set train.sync_each_batch=true" in proc.stderr.strip(), proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_qwen3_moe_json_offline_fails_with_a_clear_message():

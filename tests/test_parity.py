@@ -1,7 +1,7 @@
 """N-rank FSDP/HSDP training equals the one-process run: the heart of the recipe's correctness."""
 
 import pytest
-from launch import event, losses, pretrain, steps
+from launch import event, losses, pretrain, steps, write_short_documents
 
 STEPS = 10
 
@@ -27,6 +27,17 @@ def test_losses_match_single_process(tmp_path, single_process, nproc, overrides)
     assert losses(records) == pytest.approx(reference, abs=1e-5)
     # Training actually moved the weights, so the comparison is not between two untouched models.
     assert reference[-1] < reference[0] - 0.3
+
+
+def test_document_mask_under_cp_trains_like_one_process(tmp_path):
+    """Packed documents kept apart: one process uses Transformers' packed-sequence mask, cp 2 common/cp.py's."""
+    corpus = write_short_documents(tmp_path / "short.jsonl")
+    common = ["train.steps=4", "checkpoint.export=false", f"data.dataset={corpus}"]
+    plain = pretrain(tmp_path / "plain", *common, nproc=0)
+    one = pretrain(tmp_path / "one", *common, "data.document_mask=true", nproc=0)
+    sharded = pretrain(tmp_path / "cp", *common, "data.document_mask=true", "parallelism.cp_size=2", nproc=2)
+    assert losses(sharded) == pytest.approx(losses(one), abs=1e-5)
+    assert max(abs(a - b) for a, b in zip(losses(one), losses(plain))) > 1e-3  # the mask changed training
 
 
 def test_gradient_accumulation_with_padding_matches_one_big_batch(tmp_path):

@@ -46,6 +46,8 @@ def test_settings_parse_dtype_strings_like_transformers_and_refuse_fsdpv1_option
     (["fsdp.reshard_after_forward=false"], "fsdp.reshard_after_forward is set"),
     (["fsdp.activation_checkpointing=true"], "use fsdp.xla_fsdp_grad_ckpt"),
     (["train.compile=true"], "train.compile is set"),
+    (["train.sync_each_batch=true"], "train.sync_each_batch is set"),
+    (["data.document_mask=true"], "data.document_mask is true"),
     (["parallelism.cp_size=2"], "parallelism.cp_size is 2"),
     (["train.micro_batch_size=2", "train.global_batch_size=8"], "not a multiple of the 4 XLA devices"),
 ])

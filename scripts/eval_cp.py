@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     device_type = resolve_device(cfg.train.device).type
     attention = e.attention
     if attention == "auto":
-        attention = "torch_cp" if device_type == "cuda" and p.cp_size > 1 and not cfg.data.document_mask else "allgather"
+        plain_causal = p.cp_size > 1 and not cfg.data.document_mask
+        attention = "torch_cp" if device_type == "cuda" and plain_causal else "allgather"
     if attention not in ("allgather", "torch_cp"):
         raise ConfigError(f"eval.attention is {e.attention!r}; use auto, allgather or torch_cp")
     if attention == "torch_cp" and cfg.data.document_mask:

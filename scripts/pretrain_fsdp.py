@@ -60,7 +60,8 @@ def token_loss_sum(model: torch.nn.Module, batch: Batch, device: torch.device,
     position_ids = None if batch.position_ids is None else batch.position_ids.to(device)
     if cp_positions is not None:  # labels were shifted on the full row; everything is sharded the same way
         input_ids, labels = input_ids[:, cp_positions], labels[:, cp_positions]
-        position_ids = cp_positions.expand(len(input_ids), -1) if position_ids is None else position_ids[:, cp_positions]
+        position_ids = cp_positions.expand(len(input_ids), -1) if position_ids is None else (
+            position_ids[:, cp_positions])
     logits = model(input_ids=input_ids, position_ids=position_ids).logits
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
 

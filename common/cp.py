@@ -33,11 +33,12 @@ TORCH_ATTENTION = "cp_torch"
 QUERY_BLOCK = 1024
 
 
-def _gather_sequence(local: torch.Tensor, dim: int) -> torch.Tensor:
-    """This rank's shard of every sequence -> whole sequences in position order (no gradient)."""
+def _whole_sequence(local: torch.Tensor, dim: int, gather=all_gather_tensor) -> torch.Tensor:
+    """This rank's shard of every sequence -> whole sequences in position order (head-tail shards arrive out
+    of order, so they are sorted by position). K and V pass all_gather_tensor_autograd to keep gradients."""
     if CP["size"] == 1:
         return local
-    full = all_gather_tensor(local.contiguous(), gather_dim=dim, group=CP["group"])
+    full = gather(local.contiguous(), gather_dim=dim, group=CP["group"])
     return full if CP["key_order"] is None else full.index_select(dim, CP["key_order"])
 
 
@@ -50,13 +51,10 @@ def allgather_kv_attention(module, query, key, value, attention_mask, dropout=0.
     gigabytes) and which skips keys no query here can see. With data.document_mask, a [block, end] boolean
     mask also keeps each query inside its document, found from the position ids (a document starts at 0).
     """
-    if CP["size"] > 1:
-        key = all_gather_tensor_autograd(key.contiguous(), gather_dim=2, group=CP["group"])
-        value = all_gather_tensor_autograd(value.contiguous(), gather_dim=2, group=CP["group"])
-        if CP["key_order"] is not None:  # head-tail shards arrive out of order; sort keys by position
-            key, value = key[:, :, CP["key_order"]], value[:, :, CP["key_order"]]
+    key = _whole_sequence(key, dim=2, gather=all_gather_tensor_autograd)
+    value = _whole_sequence(value, dim=2, gather=all_gather_tensor_autograd)
     if CP["document_mask"]:
-        documents = (_gather_sequence(kwargs["position_ids"], dim=1) == 0).cumsum(dim=1)  # [batch, seq]
+        documents = (_whole_sequence(kwargs["position_ids"], dim=1) == 0).cumsum(dim=1)  # [batch, seq]
         query_documents = documents[:, CP["positions"]]
     gqa = query.shape[1] != key.shape[1]
     blocks = []

@@ -179,9 +179,6 @@ def _check_shapes(path: str, model: nn.Module) -> None:
         here = list(param.shape)
         there = list(entry.size) if entry is not None and hasattr(entry, "size") else None
         if there != here:
-            # Every rank finds the same mismatch; meeting first lets each print its error line before torchrun
-            # stops the group on the first rank that exits.
-            dist.barrier()
             raise ConfigError(f"checkpoint {path} holds a different model ({name} is {there} there, {here} here); "
                               f"use a new checkpoint.dir for this model, or checkpoint.resume=none")
 

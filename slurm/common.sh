@@ -59,8 +59,10 @@ run_recipe() {
     kill -0 "$pid" 2>/dev/null || break
   done
   rm -f "$FSDP2_RECIPES_PREEMPT_FILE"
-  if [[ "$PREEMPTED" == 1 && "$status" == 0 ]]; then
-    echo "$(date -Is) job $SLURM_JOB_ID: checkpointed, requeueing"
+  if [[ "$PREEMPTED" == 1 ]]; then
+    # Whatever the exit status: the scheduler takes the nodes back either way, and the next run resumes from the
+    # newest complete checkpoint (they are renamed into place only once fully written).
+    echo "$(date -Is) job $SLURM_JOB_ID: training exited $status after the checkpoint request, requeueing"
     scontrol requeue "$SLURM_JOB_ID"
   fi
   return "$status"

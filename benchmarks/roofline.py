@@ -1,18 +1,18 @@
 """This machine's limits, and how close pretrain_fsdp.py gets to them, measured in one run.
 
-    python benchmarks/roofline.py [--steps 8] [--layers 12] [--tiny]
+    python benchmarks/roofline.py [--steps 8] [--layers 12] [--micro-batch 2] [--extra key=value ...] [--tiny]
 
 1. Roofline. Matmul peak: the best of several large square torch.mm, fp32 on one CPU thread (what each
    OMP_NUM_THREADS=1 rank gets) or bf16 on a GPU. Collective bandwidth: all-gather and reduce-scatter of a
    64 MiB tensor between 2 ranks (gloo on CPU, NCCL on GPUs), in bytes of the full tensor per second, the unit
    in which metrics.comm_stats counts FSDP's traffic.
 2. The recipe. pretrain_fsdp.py trains a ~100M-parameter Llama (hidden 768, MLP 3072, 12 layers, 12 heads,
-   seq 512, vocab 32000) on 2 ranks with metrics.peak_flops set to the measured peak, so its MFU is against
-   this machine: MFU = tokens/s x flops_per_token / (peak x ranks), flops_per_token = 6 N (N without the input
-   embedding, a lookup) + 12 L H S (attention scores and values, forward and backward; causal masking not
-   subtracted, as in PaLM and torchtitan). Communication: the bytes one step moves (comm_stats) / the measured
-   bandwidth, against the step time; and the step time against a compute-only run (1 rank, the same per-rank
-   batch, no collectives): <= 1.1x means communication is hidden behind compute.
+   seq 512, vocab 32000) on 2 ranks, --micro-batch sequences per rank per step, with metrics.peak_flops set to
+   the measured peak, so its MFU is against this machine: MFU = tokens/s x flops_per_token / (peak x ranks),
+   flops_per_token = 6 N (N without the input embedding, a lookup) + 12 L H S (attention scores and values,
+   forward and backward; causal masking not subtracted, as in PaLM and torchtitan). Communication: the bytes
+   one step moves (comm_stats) / the measured bandwidth, against the step time; and the step time against a
+   compute-only run (1 rank, the same per-rank batch, no collectives): <= 1.1x means communication is hidden.
 
 Prints markdown tables.
 """
@@ -94,6 +94,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--micro-batch", type=int, default=2, help="sequences per rank per step (one micro-batch)")
     parser.add_argument("--extra", nargs="*", default=[], help="more pretrain_fsdp.py overrides, e.g. train.compile=true")
     parser.add_argument("--tiny", action="store_true", help="small sizes: checks that the benchmark runs")
     parser.add_argument("--collectives", action="store_true", help=argparse.SUPPRESS)
@@ -118,8 +119,9 @@ def main() -> None:
         model, args.steps = [], 4
     model += [f"train.steps={args.steps}", "train.warmup_steps=1", "metrics.comm_stats=true",
               f"metrics.peak_flops={peak}", *args.extra]
-    two = run_recipe(2, [*model, "train.global_batch_size=4", "train.micro_batch_size=2"])
-    one = run_recipe(1, [*model, "train.global_batch_size=2", "train.micro_batch_size=2"])  # rank 0's share, alone
+    per_rank = [f"train.micro_batch_size={args.micro_batch}"]
+    two = run_recipe(2, [*model, *per_rank, f"train.global_batch_size={2 * args.micro_batch}"])
+    one = run_recipe(1, [*model, *per_rank, f"train.global_batch_size={args.micro_batch}"])  # rank 0's share, alone
     ready = next(r for r in two if r.get("event") == "model_ready")
     step2, step1 = steady_step(two), steady_step(one)
     step_time = step2["tokens"] / step2["tokens_per_s"]
@@ -128,7 +130,8 @@ def main() -> None:
         step2["reduce_scatter_bytes"] / bandwidth["reduce_scatter"]
     print("| ~100M Llama, 2 ranks | params | tokens/s | MFU vs measured peak | step s | compute-only step s (1 rank) "
           "| step / compute-only | comm bytes / bandwidth, s |\n|---|---|---|---|---|---|---|---|")
-    print(f"| {' '.join(args.extra) or 'defaults'} | {ready['params'] / 1e6:.0f}M | {step2['tokens_per_s']:,.0f} | "
+    setting = " ".join([f"micro-batch {args.micro_batch}", *args.extra])
+    print(f"| {setting} | {ready['params'] / 1e6:.0f}M | {step2['tokens_per_s']:,.0f} | "
           f"{step2['mfu']:.1%} | {step_time:.2f} | {compute_time:.2f} | {step_time / compute_time:.2f} | "
           f"{comm_time:.2f} |")
 

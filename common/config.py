@@ -14,7 +14,6 @@ import difflib
 import json
 import os
 import sys
-import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -545,18 +544,4 @@ def run_cli(main, argv: list[str] | None = None) -> None:
         rank = os.environ.get("RANK")
         prefix = f"[rank{rank}] " if rank is not None else ""
         print(f"{prefix}config error: {error}", file=sys.stderr, flush=True)
-        _wait_until_every_rank_printed()
         sys.exit(2)
-
-
-def _wait_until_every_rank_printed(timeout_s: float = 20.0) -> None:
-    # torchrun stops the whole group as soon as one rank exits. Errors found after the process group is up (a
-    # checkpoint of another model) are found by every rank, so each waits, bounded, for the others' lines.
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_initialized():
-        return
-    store = dist.distributed_c10d._get_default_store()
-    store.add("config_error_printed", 1)
-    deadline = time.monotonic() + timeout_s
-    while store.add("config_error_printed", 0) < dist.get_world_size() and time.monotonic() < deadline:
-        time.sleep(0.05)

@@ -78,7 +78,8 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm_env, tmp_path):
             subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm_env)
         time.sleep(3)
     log = log_path.read_text()
-    assert "USR1 received" in log and "requeueing" in log and "(restart 1)" in log
+    assert "USR1 received" in log and "training exited 0 after the checkpoint request, requeueing" in log
+    assert "(restart 1)" in log
     records = read_metrics(tmp_path / "run")
     stopped = event(records, "stopped")
     assert stopped["reason"] == "preempted"

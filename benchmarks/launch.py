@@ -18,7 +18,7 @@ def run_recipe(world: int, overrides: list[str], extra_env: dict | None = None, 
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
                os.path.join(REPO, "scripts", script), "--config", config, f"checkpoint.dir={run_dir}",
                "checkpoint.export=false", "metrics.tensorboard=false", *overrides]
-        env = dict(os.environ, OMP_NUM_THREADS="1", **(extra_env or {}))
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", **(extra_env or {}))
         subprocess.run(cmd, check=True, capture_output=True, env=env)
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             return [json.loads(line) for line in f]

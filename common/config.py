@@ -537,11 +537,21 @@ def to_dict(cfg: Config) -> dict:
 
 
 def run_cli(main, argv: list[str] | None = None) -> None:
-    """Run a script's main(argv); bad input becomes one line and exit 2, with no traceback, on every rank."""
+    """Run a script's main(argv); bad input becomes one line and exit 2, with no traceback, on every rank.
+    Then leave through common/mesh.end_process, which keeps gloo from aborting the exit."""
+    from common.mesh import end_process  # mesh imports this module
+
+    exit_code = 0
     try:
         main(argv)
     except ConfigError as error:
         rank = os.environ.get("RANK")
         prefix = f"[rank{rank}] " if rank is not None else ""
         print(f"{prefix}config error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        exit_code = 2
+    except SystemExit as stop:  # a stop that every rank takes together, such as a non-finite loss
+        exit_code = stop.code or 0
+        if isinstance(exit_code, str):
+            print(exit_code, file=sys.stderr, flush=True)
+            exit_code = 1
+    end_process(exit_code)

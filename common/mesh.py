@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -11,6 +13,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from common.config import ConfigError, ParallelismConfig
+
+
+# Whether init_distributed ran in this process, so end_process may end it (not a test calling main() in-process).
+_STARTED = [False]
 
 
 @dataclass
@@ -42,6 +48,7 @@ def resolve_device(preference: str) -> torch.device:
 
 def init_distributed(device_preference: str, timeout_minutes: float) -> Dist:
     """NCCL on CUDA (gloo alongside for CPU tensors), gloo on CPU; works under torchrun or as one process."""
+    _STARTED[0] = True
     device = resolve_device(device_preference)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(minutes=timeout_minutes)
@@ -53,6 +60,36 @@ def init_distributed(device_preference: str, timeout_minutes: float) -> Dist:
         # A plain `python script.py` run: a one-rank group, so the FSDP code path is the same as under torchrun.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), device)
+
+
+def collective_threads() -> list[str]:
+    """Names of this process's gloo and NCCL threads, which live exactly as long as their process groups."""
+    if not os.path.isdir("/proc/self/task"):  # not Linux: nothing to look at
+        return []
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as f:
+            names.append(f.read().strip())
+    return [name for name in names if name.startswith(("pt_gloo", "gloo_", "pt_nccl"))]
+
+
+def end_process(exit_code: int) -> None:
+    """Leave the process once main() has returned: every output is closed and the groups are destroyed.
+
+    destroy_process_group() does not free a group: DTensor's caches (sharding propagation, redistribute
+    plans, mesh topology) keep every DeviceMesh, and a mesh keeps its groups, until interpreter
+    finalization. A gloo worker still dropping the last collective's work then has to take the GIL to free
+    its tensors; Python ends such a thread with pthread_exit, whose unwind through the work's noexcept
+    destructor calls std::terminate: "terminate called without an active exception", SIGABRT after the
+    run's output is complete (pytorch/pytorch#179291 describes the same abort). So while such threads are
+    alive, the process exits here without that teardown.
+    """
+    if _STARTED[0] and collective_threads():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
+    if exit_code:
+        sys.exit(exit_code)
 
 
 def resolve_dp_sizes(p: ParallelismConfig, world_size: int) -> tuple[int, int]:

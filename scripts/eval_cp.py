@@ -156,7 +156,6 @@ def main(argv: list[str] | None = None) -> None:
         with open(os.path.join(cfg.checkpoint.dir, "eval_results.json"), "w") as f:
             json.dump(results, f, indent=2)
         print(json.dumps(results), flush=True)
-    cp.CP.clear()  # a cp group still referenced here at interpreter exit once aborted the process (gloo's threads)
     dist.destroy_process_group()
 
 

@@ -21,8 +21,9 @@ def free_port() -> int:
 
 
 def env(**extra: str) -> dict:
+    """Offline, unbuffered, one thread each; faulthandler prints every Python thread's stack on a crash."""
     out = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     out.update(extra)
     return out
 

@@ -58,13 +58,20 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp/fsdp2-recipes-ckpt-bench")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--tiny", action="store_true", help="a 1-layer, narrow model: checks that the benchmark runs")
+    parser.add_argument(
+        "--tiny", action="store_true", help="a 1-layer, narrow model: checks that the benchmark runs"
+    )
     args = parser.parse_args()
     d = init_distributed("auto", 10)
     width = 64 if args.tiny else 1024
-    config = LlamaConfig(vocab_size=32000, hidden_size=width, intermediate_size=4 * width,
-                         num_hidden_layers=1 if args.tiny else args.layers, num_attention_heads=16,
-                         num_key_value_heads=16)
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=width,
+        intermediate_size=4 * width,
+        num_hidden_layers=1 if args.tiny else args.layers,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+    )
     model = build_meta_model(config, ModelConfig())
     apply_fsdp(model, build_dp_mesh(d.device.type, 1, d.world_size), FsdpConfig(), d.device.type)
     model.to_empty(device=d.device)
@@ -86,23 +93,31 @@ def main() -> None:
     results = {"save": [], "load": [], "raw write": []}
     for repeat in range(args.repeats):
         state = {"step": repeat, "samples": 0, "scheduler": scheduler.state_dict(), "data": []}
-        results["save"].append(timed(lambda: save_checkpoint(run_dir, repeat + 1, model, optimizer, state, 1)))
+        results["save"].append(
+            timed(lambda: save_checkpoint(run_dir, repeat + 1, model, optimizer, state, 1))
+        )
         path = os.path.join(run_dir, "checkpoints", f"step-{repeat + 1}")
         results["load"].append(timed(lambda: load_checkpoint(path, model, optimizer, scheduler)))
         share = ckpt_bytes // d.world_size
-        results["raw write"].append(timed(lambda: raw_write(os.path.join(raw_dir, f"rank{d.rank}.bin"), share)))
+        results["raw write"].append(
+            timed(lambda: raw_write(os.path.join(raw_dir, f"rank{d.rank}.bin"), share))
+        )
 
     if d.is_main:
         mb = ckpt_bytes / 1e6
         raw_median = mb / statistics.median(results["raw write"])
-        print(f"\n{params / 1e6:.0f}M parameters, {mb:.0f} MB per checkpoint, {d.world_size} ranks, "
-              f"{args.repeats} repeats, {args.dir}\n")
+        print(
+            f"\n{params / 1e6:.0f}M parameters, {mb:.0f} MB per checkpoint, {d.world_size} ranks, "
+            f"{args.repeats} repeats, {args.dir}\n"
+        )
         print("| operation | MB/s min | MB/s median | MB/s max | median / raw write |")
         print("|---|---|---|---|---|")
         for name, seconds in results.items():
             rates = sorted(mb / s for s in seconds)
-            print(f"| {name} | {rates[0]:,.0f} | {statistics.median(rates):,.0f} | {rates[-1]:,.0f} | "
-                  f"{statistics.median(rates) / raw_median:.2f} |")
+            print(
+                f"| {name} | {rates[0]:,.0f} | {statistics.median(rates):,.0f} | {rates[-1]:,.0f} | "
+                f"{statistics.median(rates) / raw_median:.2f} |"
+            )
         shutil.rmtree(args.dir, ignore_errors=True)
     dist.destroy_process_group()
 

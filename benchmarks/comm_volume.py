@@ -6,7 +6,8 @@ Runs scripts/pretrain_fsdp.py (configs/debug_tiny.json, an MLP width that does n
 padding shows) with `metrics.comm_stats=true` on 2 and 4 CPU ranks, reshard_after_forward true and false, and
 compares the all-gather and reduce-scatter bytes of the last step with
 
-    Psi = sum over parameters of ceil(dim0 / W) * W * prod(other dims) * bytes per element   (FSDP2 pads dim 0)
+    Psi = sum over parameters of ceil(dim0 / W) * W * prod(other dims) * bytes per element   (FSDP2 pads dim
+    0)
     all-gather     = (2 if reshard_after_forward else 1) * k * Psi    (k = micro-batches per step; forward,
                                                                       and again in backward)
     reduce-scatter = Psi          (once per step, on the last micro-batch; k * Psi with train.sync_each_batch)
@@ -25,8 +26,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.launch import TINY, last_step, run_recipe
 
-OVERRIDES = ["model.config.intermediate_size=130", "metrics.comm_stats=true", "train.global_batch_size=8",
-             "train.micro_batch_size=2"]
+OVERRIDES = [
+    "model.config.intermediate_size=130",
+    "metrics.comm_stats=true",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+]
 
 
 def padded_param_bytes(world: int, element_size: int = 4) -> int:
@@ -45,8 +50,11 @@ def padded_param_bytes(world: int, element_size: int = 4) -> int:
 
 
 def measure(world: int, reshard: bool, steps: int) -> dict:
-    return last_step(run_recipe(world, [f"train.steps={steps}", f"fsdp.reshard_after_forward={str(reshard).lower()}",
-                                          *OVERRIDES]))
+    return last_step(
+        run_recipe(
+            world, [f"train.steps={steps}", f"fsdp.reshard_after_forward={str(reshard).lower()}", *OVERRIDES]
+        )
+    )
 
 
 def main() -> None:
@@ -55,7 +63,10 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="one step: checks that the benchmark runs")
     args = parser.parse_args()
     args.steps = 1 if args.tiny else args.steps
-    print("| ranks | reshard_after_forward | all-gather MB (measured) | theory | ratio | reduce-scatter MB (measured) | theory | ratio |")
+    print(
+        "| ranks | reshard_after_forward | all-gather MB (measured) | theory | ratio "
+        "| reduce-scatter MB (measured) | theory | ratio |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for world in (2,) if args.tiny else (2, 4):  # --tiny: one of each code path
         psi = padded_param_bytes(world)
@@ -64,9 +75,12 @@ def main() -> None:
             r = measure(world, reshard, args.steps)
             ag_theory = (2 if reshard else 1) * k * psi
             rs_theory = psi  # once per step, on the last micro-batch (train.sync_each_batch=false)
-            print(f"| {world} | {reshard} | {r['all_gather_bytes'] / 1e6:.3f} | {ag_theory / 1e6:.3f} | "
-                  f"{r['all_gather_bytes'] / ag_theory:.2f} | {r['reduce_scatter_bytes'] / 1e6:.3f} | "
-                  f"{rs_theory / 1e6:.3f} | {r['reduce_scatter_bytes'] / rs_theory:.2f} |", flush=True)
+            print(
+                f"| {world} | {reshard} | {r['all_gather_bytes'] / 1e6:.3f} | {ag_theory / 1e6:.3f} | "
+                f"{r['all_gather_bytes'] / ag_theory:.2f} | {r['reduce_scatter_bytes'] / 1e6:.3f} | "
+                f"{rs_theory / 1e6:.3f} | {r['reduce_scatter_bytes'] / rs_theory:.2f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -22,19 +22,36 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.launch import REPO, TINY, tiny
 
-MODEL = ["model.config.hidden_size=256", "model.config.intermediate_size=1024", "model.config.num_hidden_layers=4",
-         "model.config.num_attention_heads=8", "model.config.num_key_value_heads=2",
-         "model.config.max_position_embeddings=16384"]
+MODEL = [
+    "model.config.hidden_size=256",
+    "model.config.intermediate_size=1024",
+    "model.config.num_hidden_layers=4",
+    "model.config.num_attention_heads=8",
+    "model.config.num_key_value_heads=2",
+    "model.config.max_position_embeddings=16384",
+]
 SEQ = 16384
 if tiny():
     MODEL, SEQ = ["model.config.max_position_embeddings=256"], 256
 
 
 def evaluate(export: str, cp: int, run_dir: str) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cp}",
-           os.path.join(REPO, "scripts", "eval_cp.py"), "--config", os.path.join(REPO, "configs", "debug_eval_cp.json"),
-           f"model.name_or_path={export}", f"checkpoint.dir={run_dir}", f"data.seq_len={SEQ}",
-           "eval.max_sequences=1", f"parallelism.cp_size={cp}", "data.embedded_max_bytes=1000000"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={cp}",
+        os.path.join(REPO, "scripts", "eval_cp.py"),
+        "--config",
+        os.path.join(REPO, "configs", "debug_eval_cp.json"),
+        f"model.name_or_path={export}",
+        f"checkpoint.dir={run_dir}",
+        f"data.seq_len={SEQ}",
+        "eval.max_sequences=1",
+        f"parallelism.cp_size={cp}",
+        "data.embedded_max_bytes=1000000",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072")
     subprocess.run(cmd, check=True, capture_output=True, env=env)
     with open(os.path.join(run_dir, "eval_results.json")) as f:
@@ -44,11 +61,26 @@ def evaluate(export: str, cp: int, run_dir: str) -> dict:
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # A model to score: the from-scratch init of debug_tiny widened, exported without training.
-        subprocess.run([sys.executable, os.path.join(REPO, "scripts", "pretrain_fsdp.py"), "--config", TINY,
-                        f"checkpoint.dir={tmp}/model", "train.steps=0", "data.seq_len=64", *MODEL],
-                       check=True, capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        print(f"| cp (1 sequence of {SEQ:,} tokens) | peak RSS GiB / rank (max) | of which evaluation (peak - after load) "
-              "| vs cp=1 | tokens/s | eval_loss |")
+        subprocess.run(
+            [
+                sys.executable,
+                os.path.join(REPO, "scripts", "pretrain_fsdp.py"),
+                "--config",
+                TINY,
+                f"checkpoint.dir={tmp}/model",
+                "train.steps=0",
+                "data.seq_len=64",
+                *MODEL,
+            ],
+            check=True,
+            capture_output=True,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )
+        print(
+            f"| cp (1 sequence of {SEQ:,} tokens) | peak RSS GiB / rank (max) "
+            "| of which evaluation (peak - after load) "
+            "| vs cp=1 | tokens/s | eval_loss |"
+        )
         print("|---|---|---|---|---|---|")
         base = None
         for cp in (1, 2) if tiny() else (1, 2, 4):
@@ -56,8 +88,11 @@ def main() -> None:
             peak = max(r["peak_mem_gib_per_rank"])
             used = max(p - a for p, a in zip(r["peak_mem_gib_per_rank"], r["mem_after_load_gib_per_rank"]))
             base = base or used
-            print(f"| {cp} | {peak:.3f} | {used:.3f} | {used / base:.2f} | {r['tokens_per_s']:,.0f} | "
-                  f"{r['eval_loss']:.6f} |", flush=True)
+            print(
+                f"| {cp} | {peak:.3f} | {used:.3f} | {used / base:.2f} | {r['tokens_per_s']:,.0f} | "
+                f"{r['eval_loss']:.6f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -37,7 +37,9 @@ COLLECTIVE_BYTES = 64 * 2**20
 
 def matmul_peak(device: torch.device, tiny: bool = False) -> float:
     """FLOP/s of the best n x n matmul: fp32 on one CPU thread, bf16 on a GPU."""
-    dtype, sizes = (torch.bfloat16, (4096, 8192)) if device.type == "cuda" else (torch.float32, (512, 1024, 2048))
+    dtype, sizes = (
+        (torch.bfloat16, (4096, 8192)) if device.type == "cuda" else (torch.float32, (512, 1024, 2048))
+    )
     sizes = (256,) if tiny else sizes
     best = 0.0
     for n in sizes:
@@ -56,7 +58,8 @@ def matmul_peak(device: torch.device, tiny: bool = False) -> float:
 
 
 def collective_bandwidth(num_bytes: int) -> None:
-    """Under torchrun: time all-gather and reduce-scatter; rank 0 prints bytes/s of the full tensor as JSON."""
+    """Under torchrun: time all-gather and reduce-scatter; rank 0 prints bytes/s of the full tensor as
+    JSON."""
     import torch.distributed as dist
 
     cuda = torch.cuda.is_available()
@@ -66,8 +69,10 @@ def collective_bandwidth(num_bytes: int) -> None:
     full = torch.ones(num_bytes // 4, device=device)
     shard = torch.ones(num_bytes // 4 // world, device=device)
     results = {}
-    for name, call in [("all_gather", lambda: dist.all_gather_into_tensor(full, shard)),
-                       ("reduce_scatter", lambda: dist.reduce_scatter_tensor(shard, full))]:
+    for name, call in [
+        ("all_gather", lambda: dist.all_gather_into_tensor(full, shard)),
+        ("reduce_scatter", lambda: dist.reduce_scatter_tensor(shard, full)),
+    ]:
         call()  # connection set-up
         times = []
         for _ in range(5):
@@ -84,9 +89,19 @@ def collective_bandwidth(num_bytes: int) -> None:
 
 
 def measure_bandwidth(world: int, tiny: bool) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           os.path.abspath(__file__), "--collectives", *(["--tiny"] if tiny else [])]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={world}",
+        os.path.abspath(__file__),
+        "--collectives",
+        *(["--tiny"] if tiny else []),
+    ]
+    out = subprocess.run(
+        cmd, check=True, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -94,8 +109,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--micro-batch", type=int, default=2, help="sequences per rank per step (one micro-batch)")
-    parser.add_argument("--extra", nargs="*", default=[], help="more pretrain_fsdp.py overrides, e.g. train.compile=true")
+    parser.add_argument(
+        "--micro-batch", type=int, default=2, help="sequences per rank per step (one micro-batch)"
+    )
+    parser.add_argument(
+        "--extra", nargs="*", default=[], help="more pretrain_fsdp.py overrides, e.g. train.compile=true"
+    )
     parser.add_argument("--tiny", action="store_true", help="small sizes: checks that the benchmark runs")
     parser.add_argument("--collectives", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -108,32 +127,56 @@ def main() -> None:
     bandwidth = measure_bandwidth(2, args.tiny)
     unit = "GPU (bf16)" if device.type == "cuda" else "core (fp32, 1 thread)"
     print("| matmul peak per " + unit + " | all-gather GB/s | reduce-scatter GB/s |\n|---|---|---|")
-    print(f"| {peak / 1e9:,.1f} GFLOP/s | {bandwidth['all_gather'] / 1e9:.2f} | "
-          f"{bandwidth['reduce_scatter'] / 1e9:.2f} |\n", flush=True)
+    print(
+        f"| {peak / 1e9:,.1f} GFLOP/s | {bandwidth['all_gather'] / 1e9:.2f} | "
+        f"{bandwidth['reduce_scatter'] / 1e9:.2f} |\n",
+        flush=True,
+    )
 
-    model = ["model.config.hidden_size=768", "model.config.intermediate_size=3072",
-             f"model.config.num_hidden_layers={args.layers}", "model.config.num_attention_heads=12",
-             "model.config.num_key_value_heads=12", "model.config.vocab_size=32000",
-             "model.config.max_position_embeddings=512", "data.seq_len=512", "data.embedded_max_bytes=4000000"]
+    model = [
+        "model.config.hidden_size=768",
+        "model.config.intermediate_size=3072",
+        f"model.config.num_hidden_layers={args.layers}",
+        "model.config.num_attention_heads=12",
+        "model.config.num_key_value_heads=12",
+        "model.config.vocab_size=32000",
+        "model.config.max_position_embeddings=512",
+        "data.seq_len=512",
+        "data.embedded_max_bytes=4000000",
+    ]
     if args.tiny:
         model, args.steps = [], 4
-    model += [f"train.steps={args.steps}", "train.warmup_steps=1", "metrics.comm_stats=true",
-              f"metrics.peak_flops={peak}", *args.extra]
+    model += [
+        f"train.steps={args.steps}",
+        "train.warmup_steps=1",
+        "metrics.comm_stats=true",
+        f"metrics.peak_flops={peak}",
+        *args.extra,
+    ]
     per_rank = [f"train.micro_batch_size={args.micro_batch}"]
     two = run_recipe(2, [*model, *per_rank, f"train.global_batch_size={2 * args.micro_batch}"])
-    one = run_recipe(1, [*model, *per_rank, f"train.global_batch_size={args.micro_batch}"])  # rank 0's share, alone
+    one = run_recipe(
+        1, [*model, *per_rank, f"train.global_batch_size={args.micro_batch}"]
+    )  # rank 0's share, alone
     ready = next(r for r in two if r.get("event") == "model_ready")
     step2, step1 = steady_step(two), steady_step(one)
     step_time = step2["tokens"] / step2["tokens_per_s"]
     compute_time = step1["tokens"] / step1["tokens_per_s"]
-    comm_time = step2["all_gather_bytes"] / bandwidth["all_gather"] + \
-        step2["reduce_scatter_bytes"] / bandwidth["reduce_scatter"]
-    print("| ~100M Llama, 2 ranks | params | tokens/s | MFU vs measured peak | step s | compute-only step s (1 rank) "
-          "| step / compute-only | comm bytes / bandwidth, s |\n|---|---|---|---|---|---|---|---|")
+    comm_time = (
+        step2["all_gather_bytes"] / bandwidth["all_gather"]
+        + step2["reduce_scatter_bytes"] / bandwidth["reduce_scatter"]
+    )
+    print(
+        "| ~100M Llama, 2 ranks | params | tokens/s | MFU vs measured peak | step s "
+        "| compute-only step s (1 rank) "
+        "| step / compute-only | comm bytes / bandwidth, s |\n|---|---|---|---|---|---|---|---|"
+    )
     setting = " ".join([f"micro-batch {args.micro_batch}", *args.extra])
-    print(f"| {setting} | {ready['params'] / 1e6:.0f}M | {step2['tokens_per_s']:,.0f} | "
-          f"{step2['mfu']:.1%} | {step_time:.2f} | {compute_time:.2f} | {step_time / compute_time:.2f} | "
-          f"{comm_time:.2f} |")
+    print(
+        f"| {setting} | {ready['params'] / 1e6:.0f}M | {step2['tokens_per_s']:,.0f} | "
+        f"{step2['mfu']:.1%} | {step_time:.2f} | {compute_time:.2f} | {step_time / compute_time:.2f} | "
+        f"{comm_time:.2f} |"
+    )
 
 
 if __name__ == "__main__":

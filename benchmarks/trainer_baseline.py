@@ -1,4 +1,5 @@
-"""Baseline: the same Llama, data and optimizer as scripts/pretrain_fsdp.py, trained by the Transformers `Trainer`
+"""Baseline: the same Llama, data and optimizer as scripts/pretrain_fsdp.py, trained by the Transformers
+`Trainer`
 with Accelerate FSDP2, for throughput and memory comparisons.
 
     torchrun --nproc_per_node 2 benchmarks/trainer_baseline.py --model-config configs/debug_tiny.json \
@@ -6,39 +7,60 @@ with Accelerate FSDP2, for throughput and memory comparisons.
         --lr 3e-3 --warmup-steps 2 --out /tmp/trainer_default.json [--best]
 
 Same work on both sides. The model is `from_config` of the LlamaConfig given (JSON text, or a run config whose
-model.config is used), fp32, sdpa, use_cache off. The rows are our recipe's: common.data.build_batches gives the
-cached, packed [seq_len + 1] rows of the embedded corpus, and sample k here is the recipe's sample k. Each item is
+model.config is used), fp32, sdpa, use_cache off. The rows are our recipe's: common.data.build_batches gives
+the
+cached, packed [seq_len + 1] rows of the embedded corpus, and sample k here is the recipe's sample k. Each
+item is
 {"input_ids": row[:-1], "labels": row[1:], "shift_labels": row[1:]}: `shift_labels` tells HF's ForCausalLMLoss
 (transformers/loss/loss_utils.py:63) that the labels are already shifted, and the Trainer counts the loss's
-denominator on it (trainer.py:2336), so each step has the same global_batch x seq_len inputs and targets as the
-recipe, normalised by the same global target count (average_tokens_across_devices, on by default). The sampler is
-sequential, so an optimizer step sees the recipe's samples [s*B, (s+1)*B) (split over ranks differently). AdamW
+denominator on it (trainer.py:2336), so each step has the same global_batch x seq_len inputs and targets as
+the
+recipe, normalised by the same global target count (average_tokens_across_devices, on by default). The sampler
+is
+sequential, so an optimizer step sees the recipe's samples [s*B, (s+1)*B) (split over ranks differently).
+AdamW
 with the same lr/betas/eps/weight_decay (the Trainer, like the recipe, exempts norm weights and biases),
-clipping, and `cosine_with_min_lr` with min_lr_rate: the recipe's cosine exactly, but the Trainer's warmup starts
+clipping, and `cosine_with_min_lr` with min_lr_rate: the recipe's cosine exactly, but the Trainer's warmup
+starts
 at lr 0 (step/warmup) where the recipe's starts at lr/warmup ((step+1)/warmup).
 
-FSDP2 on CPU needs a patch. `use_cpu=True, ddp_backend="gloo"` gives a gloo group and DistributedType.MULTI_CPU
-(accelerate/state.py:800-808). Without use_cpu, a machine with no accelerator gets DistributedType.NO even with a
+FSDP2 on CPU needs a patch. `use_cpu=True, ddp_backend="gloo"` gives a gloo group and
+DistributedType.MULTI_CPU
+(accelerate/state.py:800-808). Without use_cpu, a machine with no accelerator gets DistributedType.NO even
+with a
 gloo group (state.py:769-810) and the Trainer stops: "Using fsdp only works in distributed training"
-(trainer.py:477). With use_cpu it runs, but AcceleratorState turns an fsdp_plugin into DistributedType.FSDP only
-when the type is MULTI_GPU/XPU/NPU/... (state.py:986-1016); MULTI_CPU is not in that list, so the Trainer's plugin
-is silently dropped, `trainer.is_fsdp_enabled` is False (trainer.py:875) and Accelerator.prepare_model wraps the
-model in DDP (accelerator.py:2058). Environment variables cannot help: ACCELERATE_USE_FSDP counts only inside that
-branch (state.py:1010) or to build a plugin from FSDP_* variables (accelerator.py:388-397), and the Trainer passes
+(trainer.py:477). With use_cpu it runs, but AcceleratorState turns an fsdp_plugin into DistributedType.FSDP
+only
+when the type is MULTI_GPU/XPU/NPU/... (state.py:986-1016); MULTI_CPU is not in that list, so the Trainer's
+plugin
+is silently dropped, `trainer.is_fsdp_enabled` is False (trainer.py:875) and Accelerator.prepare_model wraps
+the
+model in DDP (accelerator.py:2058). Environment variables cannot help: ACCELERATE_USE_FSDP counts only inside
+that
+branch (state.py:1010) or to build a plugin from FSDP_* variables (accelerator.py:388-397), and the Trainer
+passes
 its own plugin, fsdp_version=2 included. So once TrainingArguments has made the gloo group, force_fsdp_on_cpu
-relabels the shared PartialState's MULTI_CPU as MULTI_GPU; the Trainer's Accelerator then takes the FSDP branch and
-sets the type to FSDP, and the rest runs on the CPU device and gloo group already made (fully_shard's default mesh
+relabels the shared PartialState's MULTI_CPU as MULTI_GPU; the Trainer's Accelerator then takes the FSDP
+branch and
+sets the type to FSDP, and the rest runs on the CPU device and gloo group already made (fully_shard's default
+mesh
 is a CPU mesh over the default group). on_train_begin then checks what is trained: FSDPModule instances, every
-parameter a DTensor sharded over all ranks; otherwise the script exits non-zero. `fsdp=True` + fsdp_config is the
+parameter a DTensor sharded over all ranks; otherwise the script exits non-zero. `fsdp=True` + fsdp_config is
+the
 non-deprecated spelling of fsdp="full_shard auto_wrap" (same plugin for FSDP2, training_args.py:2888-2938).
 
---best adds what the Trainer documents for speed: torch_compile=True (inductor) and adamw_torch_fused, which is
-already the default optimizer for torch >= 2.8 and works on CPU with DTensor shards. Measured on 2 CPU ranks (a
+--best adds what the Trainer documents for speed: torch_compile=True (inductor) and adamw_torch_fused, which
+is
+already the default optimizer for torch >= 2.8 and works on CPU with DTensor shards. Measured on 2 CPU ranks
+(a
 noisy 2-vCPU VM, +-15% run to run) neither mode wins: debug_tiny 3.8-4.1k tokens/s eager vs 3.2-4.7k compiled,
-debug_llama 5.4-6.1k vs 5.3-5.8k; compile costs 10-40 s and ~70 MiB RSS per rank, and dynamo breaks the graph at
+debug_llama 5.4-6.1k vs 5.3-5.8k; compile costs 10-40 s and ~70 MiB RSS per rank, and dynamo breaks the graph
+at
 every FSDP2 hook (_fsdp_common.py), so much of the step stays eager. Accelerate's regional compilation
-(ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION=1) is no better, optim="adamw_torch" (a for-loop on CPU, no foreach)
-is 5-15% slower, and bf16=True runs but is 8x slower on this AVX2 CPU (no bf16 instructions) and changes the math,
+(ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION=1) is no better, optim="adamw_torch" (a for-loop on CPU, no
+foreach)
+is 5-15% slower, and bf16=True runs but is 8x slower on this AVX2 CPU (no bf16 instructions) and changes the
+math,
 so it is left out. Compare against the faster of the two modes.
 """
 
@@ -59,7 +81,14 @@ from accelerate import PartialState
 from accelerate.utils import DistributedType
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainerCallback, TrainingArguments, set_seed
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+    set_seed,
+)
 
 from common.config import DataConfig, TrainConfig
 from common.data import build_batches
@@ -94,15 +123,26 @@ def force_fsdp_on_cpu(args: TrainingArguments) -> None:
 def check_fsdp2(model: torch.nn.Module, world: int) -> dict:
     units = sum(isinstance(m, FSDPModule) for m in model.modules())
     params = list(model.parameters())
-    sharded = [p for p in params if isinstance(p, DTensor) and p.device_mesh.size() == world
-               and all(pl.is_shard() for pl in p.placements)]
+    sharded = [
+        p
+        for p in params
+        if isinstance(p, DTensor)
+        and p.device_mesh.size() == world
+        and all(pl.is_shard() for pl in p.placements)
+    ]
     if units == 0 or len(sharded) != len(params):
-        raise SystemExit(f"FSDP2 is NOT in use (Accelerate: {PartialState().distributed_type}): the Trainer trains a "
-                         f"{type(model).__name__} with {units} FSDPModule(s) and {len(sharded)}/{len(params)} "
-                         f"parameters sharded over {world} ranks")
+        raise SystemExit(
+            f"FSDP2 is NOT in use (Accelerate: {PartialState().distributed_type}): the Trainer trains a "
+            f"{type(model).__name__} with {units} FSDPModule(s) and {len(sharded)}/{len(params)} "
+            f"parameters sharded over {world} ranks"
+        )
     local = sum(p.to_local().numel() for p in sharded) / sum(p.numel() for p in sharded)
-    return {"fsdp_modules": units, "sharded_params": len(sharded), "local_param_fraction": round(local, 4),
-            "mesh": str(sharded[0].device_mesh)}
+    return {
+        "fsdp_modules": units,
+        "sharded_params": len(sharded),
+        "local_param_fraction": round(local, 4),
+        "mesh": str(sharded[0].device_mesh),
+    }
 
 
 class Probe(TrainerCallback):
@@ -128,49 +168,82 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-config", required=True, help="LlamaConfig JSON, or a run config JSON file")
     D = DataConfig
-    for name, kind, default in [("seq-len", int, D.seq_len), ("embedded-max-bytes", int, D.embedded_max_bytes),
-                                ("steps", int, T.steps), ("global-batch-size", int, T.global_batch_size),
-                                ("micro-batch-size", int, T.micro_batch_size), ("lr", float, T.lr),
-                                ("min-lr-ratio", float, T.min_lr_ratio), ("warmup-steps", int, T.warmup_steps),
-                                ("weight-decay", float, T.weight_decay), ("eps", float, T.eps),
-                                ("max-grad-norm", float, T.max_grad_norm), ("seed", int, T.seed)]:
+    for name, kind, default in [
+        ("seq-len", int, D.seq_len),
+        ("embedded-max-bytes", int, D.embedded_max_bytes),
+        ("steps", int, T.steps),
+        ("global-batch-size", int, T.global_batch_size),
+        ("micro-batch-size", int, T.micro_batch_size),
+        ("lr", float, T.lr),
+        ("min-lr-ratio", float, T.min_lr_ratio),
+        ("warmup-steps", int, T.warmup_steps),
+        ("weight-decay", float, T.weight_decay),
+        ("eps", float, T.eps),
+        ("max-grad-norm", float, T.max_grad_norm),
+        ("seed", int, T.seed),
+    ]:
         p.add_argument(f"--{name}", type=kind, default=default)  # defaults: the recipe's (common/config.py)
     p.add_argument("--betas", type=float, nargs=2, default=T.betas)
     p.add_argument("--timing-warmup", type=int, default=5, help="first steps left out of tokens_per_s")
     p.add_argument("--best", action="store_true", help="the Trainer's best settings instead of its defaults")
-    p.add_argument("--trainer-args", type=json.loads, default={}, help='extra TrainingArguments as JSON, e.g. '
-                   '\'{"optim": "adamw_torch"}\', applied last: to measure one setting at a time')
+    p.add_argument(
+        "--trainer-args",
+        type=json.loads,
+        default={},
+        help="extra TrainingArguments as JSON, e.g. "
+        '\'{"optim": "adamw_torch"}\', applied last: to measure one setting at a time',
+    )
     p.add_argument("--out", required=True, help="JSON results, written by rank 0")
     a = p.parse_args()
     if not 1 <= a.timing_warmup < a.steps:
-        raise SystemExit(f"--timing-warmup ({a.timing_warmup}) must be at least 1 and below --steps ({a.steps})")
+        raise SystemExit(
+            f"--timing-warmup ({a.timing_warmup}) must be at least 1 and below --steps ({a.steps})"
+        )
     world = int(os.environ.get("WORLD_SIZE", 1))
     if a.global_batch_size % (a.micro_batch_size * world):
         raise SystemExit(f"--global-batch-size must be a multiple of micro-batch-size x {world} ranks")
 
     extra = {**(BEST if a.best else {}), **a.trainer_args}
     args = TrainingArguments(
-        output_dir=os.path.join(tempfile.gettempdir(), "trainer_baseline"), save_strategy="no", report_to="none",
-        use_cpu=True, ddp_backend="gloo", fsdp=True,
-        fsdp_config={"version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-                     "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "reshard_after_forward": True,
-                     "state_dict_type": "FULL_STATE_DICT"},
-        max_steps=a.steps, per_device_train_batch_size=a.micro_batch_size,
+        output_dir=os.path.join(tempfile.gettempdir(), "trainer_baseline"),
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        ddp_backend="gloo",
+        fsdp=True,
+        fsdp_config={
+            "version": 2,
+            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+            "reshard_after_forward": True,
+            "state_dict_type": "FULL_STATE_DICT",
+        },
+        max_steps=a.steps,
+        per_device_train_batch_size=a.micro_batch_size,
         gradient_accumulation_steps=a.global_batch_size // (a.micro_batch_size * world),
-        learning_rate=a.lr, adam_beta1=a.betas[0], adam_beta2=a.betas[1], adam_epsilon=a.eps,
-        weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm, warmup_steps=a.warmup_steps,
-        lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": a.min_lr_ratio},
+        learning_rate=a.lr,
+        adam_beta1=a.betas[0],
+        adam_beta2=a.betas[1],
+        adam_epsilon=a.eps,
+        weight_decay=a.weight_decay,
+        max_grad_norm=a.max_grad_norm,
+        warmup_steps=a.warmup_steps,
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": a.min_lr_ratio},
         train_sampling_strategy="sequential",  # the recipe's sample order; the rows are already shuffled
         remove_unused_columns=False,  # keep shift_labels, which forward() takes only through **kwargs
-        logging_steps=1, disable_tqdm=True, seed=a.seed,
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=a.seed,
         **extra,
     )
     force_fsdp_on_cpu(args)  # sets up the gloo group (args.distributed_state) first
 
     data_cfg = DataConfig(seq_len=a.seq_len, embedded_max_bytes=a.embedded_max_bytes)
     # One sample per "step" on one "rank": batches.micro_batches(k) is then exactly the recipe's sample k.
-    tokenizer, batches = build_batches(data_cfg, a.seed, global_batch=1, micro_batch=1, dp_rank=0, dp_size=1,
-                                       is_main=args.process_index == 0)
+    tokenizer, batches = build_batches(
+        data_cfg, a.seed, global_batch=1, micro_batch=1, dp_rank=0, dp_size=1, is_main=args.process_index == 0
+    )
     if os.path.isfile(a.model_config):
         with open(a.model_config) as f:
             values = json.load(f)
@@ -184,29 +257,48 @@ def main() -> None:
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
 
     probe = Probe(world)
-    trainer = Trainer(model=model, args=args, train_dataset=RecipeRows(batches, a.steps * a.global_batch_size),
-                      callbacks=[probe])
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=RecipeRows(batches, a.steps * a.global_batch_size),
+        callbacks=[probe],
+    )
     if trainer.accelerator.distributed_type != DistributedType.FSDP or not trainer.is_fsdp_enabled:
         raise SystemExit(f"Accelerate chose {trainer.accelerator.distributed_type}, not FSDP")
     trainer.train()
 
-    timed = len(probe.times) - a.timing_warmup  # from the end of the last warmup step to the end of the last step
+    timed = (
+        len(probe.times) - a.timing_warmup
+    )  # from the end of the last warmup step to the end of the last step
     elapsed = probe.times[-1] - probe.times[a.timing_warmup - 1]
     tokens_per_step = a.global_batch_size * a.seq_len  # packed rows: every target counts
     peaks, load_peaks = gather(round(peak_memory_bytes(CPU) / GIB, 4)), gather(round(probe.load_peak, 4))
     if args.process_index == 0:
-        result = {"mode": "best" if a.best else "default", "trainer_args": extra,
-                  "optim": str(args.optim), "torch_compile": args.torch_compile, "world_size": world,
-                  "tokens_per_s": tokens_per_step * timed / elapsed, "step_time_s": elapsed / timed,
-                  "timed_steps": timed, "timing_warmup_steps": a.timing_warmup,
-                  "optimizer_steps": trainer.state.global_step, "tokens_per_step": tokens_per_step,
-                  "global_batch": a.global_batch_size, "micro_batch": a.micro_batch_size,
-                  "grad_accum": args.gradient_accumulation_steps, "seq_len": a.seq_len,
-                  "step_times_s": [round(t1 - t0, 4) for t0, t1 in zip(probe.times, probe.times[1:])],
-                  "final_loss": probe.losses[-1], "loss_per_step": probe.losses,
-                  "peak_rss_gib_per_rank": peaks, "peak_rss_before_training_gib_per_rank": load_peaks,
-                  "fsdp2_verified": True, **probe.fsdp,
-                  "distributed_type": str(trainer.accelerator.distributed_type)}
+        result = {
+            "mode": "best" if a.best else "default",
+            "trainer_args": extra,
+            "optim": str(args.optim),
+            "torch_compile": args.torch_compile,
+            "world_size": world,
+            "tokens_per_s": tokens_per_step * timed / elapsed,
+            "step_time_s": elapsed / timed,
+            "timed_steps": timed,
+            "timing_warmup_steps": a.timing_warmup,
+            "optimizer_steps": trainer.state.global_step,
+            "tokens_per_step": tokens_per_step,
+            "global_batch": a.global_batch_size,
+            "micro_batch": a.micro_batch_size,
+            "grad_accum": args.gradient_accumulation_steps,
+            "seq_len": a.seq_len,
+            "step_times_s": [round(t1 - t0, 4) for t0, t1 in zip(probe.times, probe.times[1:])],
+            "final_loss": probe.losses[-1],
+            "loss_per_step": probe.losses,
+            "peak_rss_gib_per_rank": peaks,
+            "peak_rss_before_training_gib_per_rank": load_peaks,
+            "fsdp2_verified": True,
+            **probe.fsdp,
+            "distributed_type": str(trainer.accelerator.distributed_type),
+        }
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as f:
             json.dump(result, f, indent=2)

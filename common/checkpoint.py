@@ -97,8 +97,10 @@ def check_shared_storage(run_dir: str) -> None:
     unseen = torch.tensor(0.0 if seen else 1.0)  # a CPU tensor: gloo carries it, also beside NCCL
     dist.all_reduce(unseen)
     if unseen.item():
-        raise ConfigError(f"checkpoint.dir {run_dir!r} is not shared: {int(unseen.item())} rank(s) cannot see "
-                          f"what rank 0 writes there; put it on storage every node mounts")
+        raise ConfigError(
+            f"checkpoint.dir {run_dir!r} is not shared: {int(unseen.item())} rank(s) cannot see "
+            f"what rank 0 writes there; put it on storage every node mounts"
+        )
 
 
 def checkpoints_dir(run_dir: str) -> str:
@@ -111,8 +113,10 @@ def find_resume_checkpoint(run_dir: str, resume: str) -> str | None:
         return None
     if resume != "auto":
         if not os.path.exists(os.path.join(resume, TRAIN_STATE)):
-            raise ConfigError(f"checkpoint.resume {resume!r} is not a complete checkpoint directory "
-                              f"(no {TRAIN_STATE}); use auto, none, or a checkpoints/step-N path")
+            raise ConfigError(
+                f"checkpoint.resume {resume!r} is not a complete checkpoint directory "
+                f"(no {TRAIN_STATE}); use auto, none, or a checkpoints/step-N path"
+            )
         return resume
     root = checkpoints_dir(run_dir)
     steps = [int(m[1]) for m in map(STEP_DIR.match, os.listdir(root) if os.path.isdir(root) else []) if m]
@@ -127,14 +131,25 @@ def _training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple
     scheduler, whose state goes to train_state.json.
     """
     optim = get_optimizer_state_dict(model, optimizer)  # allocates the state of a fresh optimizer
-    state = {"model": get_model_state_dict(model), "optim": optim["state"], "rng": {"cpu": torch.get_rng_state()}}
+    state = {
+        "model": get_model_state_dict(model),
+        "optim": optim["state"],
+        "rng": {"cpu": torch.get_rng_state()},
+    }
     if torch.cuda.is_available():
         state["rng"]["cuda"] = torch.cuda.get_rng_state()
     return state, optim["param_groups"]
 
 
-def save_checkpoint(run_dir: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    train_state: dict, keep_latest: int, tokenizer=None) -> str:
+def save_checkpoint(
+    run_dir: str,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_state: dict,
+    keep_latest: int,
+    tokenizer=None,
+) -> str:
     """DCP of model + optimizer + RNG, plus train_state.json (step, samples, scheduler, data position)."""
     root = checkpoints_dir(run_dir)
     final = os.path.join(root, f"step-{step}")
@@ -156,7 +171,9 @@ def save_checkpoint(run_dir: str, step: int, model: nn.Module, optimizer: torch.
     return final
 
 
-def publish_checkpoint(tmp: str, final: str, train_state: dict, model_config, tokenizer, keep_latest: int) -> None:
+def publish_checkpoint(
+    tmp: str, final: str, train_state: dict, model_config, tokenizer, keep_latest: int
+) -> None:
     """Complete a written `step-N.tmp` (train state, config and tokenizer, so eval_cp.py can evaluate it
     directly), rename it to `step-N`, and drop all but the newest `keep_latest`. One process only."""
     with open(os.path.join(tmp, TRAIN_STATE), "w") as f:
@@ -179,8 +196,10 @@ def _check_shapes(path: str, model: nn.Module) -> None:
         here = list(param.shape)
         there = list(entry.size) if entry is not None and hasattr(entry, "size") else None
         if there != here:
-            raise ConfigError(f"checkpoint {path} holds a different model ({name} is {there} there, {here} here); "
-                              f"use a new checkpoint.dir for this model, or checkpoint.resume=none")
+            raise ConfigError(
+                f"checkpoint {path} holds a different model ({name} is {there} there, {here} here); "
+                f"use a new checkpoint.dir for this model, or checkpoint.resume=none"
+            )
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> dict:
@@ -212,11 +231,15 @@ def _hf_state_dict(path: str, trust_remote_code: bool) -> dict[str, torch.Tensor
     # weight conversions, so any architecture Transformers loads works here.
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, trust_remote_code=trust_remote_code
+    )
     return model.state_dict()
 
 
-def load_hf_weights(model: nn.Module, path: str, broadcast_from_rank0: bool, trust_remote_code: bool = False) -> None:
+def load_hf_weights(
+    model: nn.Module, path: str, broadcast_from_rank0: bool, trust_remote_code: bool = False
+) -> None:
     """Fill a sharded (FSDP) model from an HF checkpoint.
 
     broadcast_from_rank0 (fsdp.cpu_ram_efficient_loading): only rank 0 reads the files; the others pass an
@@ -239,8 +262,12 @@ def load_weights(model: nn.Module, cfg: Config, resume_from: str | None, init_st
     if source and is_sharded_export(source):
         load_sharded_export(model, source)  # DCP reshards to this world size
     elif source:
-        load_hf_weights(model, source, broadcast_from_rank0=cfg.fsdp.cpu_ram_efficient_loading,
-                        trust_remote_code=cfg.model.trust_remote_code)
+        load_hf_weights(
+            model,
+            source,
+            broadcast_from_rank0=cfg.fsdp.cpu_ram_efficient_loading,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
     else:
         init_weights(model, cfg.train.seed, init_std)
 

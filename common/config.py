@@ -33,8 +33,11 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    dataset: str | list = "embedded"  # "embedded", local files (json/jsonl/parquet/txt), or a hub dataset name
-    # SFT (finetune_moe_ep_fsdp.py): JSONL of prompt/completion or messages records, or "arithmetic" (built in)
+    dataset: str | list = (
+        "embedded"  # "embedded", local files (json/jsonl/parquet/txt), or a hub dataset name
+    )
+    # SFT (finetune_moe_ep_fsdp.py): JSONL of prompt/completion or messages records, or "arithmetic" (built
+    # in)
     eval_dataset: str | list | None = None  # SFT held-out set, evaluated before and after training
     eval_split: str = "test"  # its split, for a hub dataset
     dataset_config: str | None = None
@@ -42,7 +45,9 @@ class DataConfig:
     text_field: str = "text"
     streaming: bool = False  # hub datasets only
     pack: bool = True  # concatenate documents with EOS; false: one padded document per sample
-    document_mask: bool = False  # packed documents attend only within themselves (position ids restart after EOS)
+    document_mask: bool = (
+        False  # packed documents attend only within themselves (position ids restart after EOS)
+    )
     tokenizer: str | None = None  # None: the embedded byte-level BPE tokenizer
     seq_len: int = 256
     embedded_max_bytes: int = 4_000_000
@@ -52,7 +57,9 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 100  # 0: load (or init), evaluate the fixed batch and export, e.g. to convert SHARDED to FULL
+    steps: int = (
+        100  # 0: load (or init), evaluate the fixed batch and export, e.g. to convert SHARDED to FULL
+    )
     global_batch_size: int = 16  # sequences per optimizer step, whatever the world size
     micro_batch_size: int = 4  # sequences per rank per forward/backward
     lr: float = 3e-4
@@ -67,11 +74,14 @@ class TrainConfig:
     seed: int = 0
     gradient_checkpointing: bool = False  # the HF model's own; use fsdp.activation_checkpointing instead
     compile: bool = False  # torch.compile each transformer layer
-    # Accelerate's sync_each_batch: false reduce-scatters gradients once per step, on the last micro-batch (the
+    # Accelerate's sync_each_batch: false reduce-scatters gradients once per step, on the last micro-batch
+    # (the
     # others accumulate unsharded gradients: fewer collectives, more memory); true, after every micro-batch.
     sync_each_batch: bool = False
     device: str = "auto"  # auto | cpu | cuda
-    stop_after: int = 0  # stop (with a checkpoint) after this many steps of this run, keeping the train.steps schedule
+    stop_after: int = (
+        0  # stop (with a checkpoint) after this many steps of this run, keeping the train.steps schedule
+    )
     router_aux_loss_coef: float | None = None  # MoE load-balancing loss weight; None: the model config's own
 
 
@@ -91,7 +101,9 @@ class FsdpConfig:
     xla: bool = False
     xla_fsdp_settings: dict = field(default_factory=dict)
     xla_fsdp_grad_ckpt: bool = False
-    xla_fsdp_v2: bool = True  # SPMD FSDPv2; Transformers defaults to FSDPv1, which tpu_xla_fsdp.py does not implement
+    xla_fsdp_v2: bool = (
+        True  # SPMD FSDPv2; Transformers defaults to FSDPv1, which tpu_xla_fsdp.py does not implement
+    )
 
 
 @dataclass
@@ -130,7 +142,9 @@ class EvalConfig:
     max_sequences: int = 64  # sequences of data.seq_len + 1 tokens evaluated, from the start of the data
     batch_size: int = 1  # sequences per data-parallel rank per forward
     load_balance: bool = True  # head-tail (zig-zag) sharding: every cp rank gets the same causal work
-    loss_chunk_tokens: int = 1024  # lm_head + cross-entropy this many tokens at a time: no full-vocabulary logits
+    loss_chunk_tokens: int = (
+        1024  # lm_head + cross-entropy this many tokens at a time: no full-vocabulary logits
+    )
     attention: str = "auto"  # auto (torch_cp on CUDA, else allgather) | allgather | torch_cp
 
 
@@ -158,13 +172,27 @@ FSDP1_ONLY_KEYS = {
 # by construction (deterministic init, or a rank-0 broadcast with cpu_ram_efficient_loading).
 FSDP2_IMPLIED_KEYS = {"use_orig_params", "sync_module_states", "activation_checkpointing_offload"}
 # Accelerate spells cpu_offload differently; Transformers silently ignores it, we map it.
-FSDP_KEY_ALIASES = {"offload_params": "cpu_offload", "transformer_cls_to_wrap": "transformer_layer_cls_to_wrap"}
+FSDP_KEY_ALIASES = {
+    "offload_params": "cpu_offload",
+    "transformer_cls_to_wrap": "transformer_layer_cls_to_wrap",
+}
 
 WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
-STATE_DICT_TYPES = {"FULL_STATE_DICT": "FULL_STATE_DICT", "FULL": "FULL_STATE_DICT",
-                    "SHARDED_STATE_DICT": "SHARDED_STATE_DICT", "SHARDED": "SHARDED_STATE_DICT"}
-DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
-               "no": "float32", "fp16": "float16", "float16": "float16"}
+STATE_DICT_TYPES = {
+    "FULL_STATE_DICT": "FULL_STATE_DICT",
+    "FULL": "FULL_STATE_DICT",
+    "SHARDED_STATE_DICT": "SHARDED_STATE_DICT",
+    "SHARDED": "SHARDED_STATE_DICT",
+}
+DTYPE_NAMES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp32": "float32",
+    "float32": "float32",
+    "no": "float32",
+    "fp16": "float16",
+    "float16": "float16",
+}
 
 
 def _did_you_mean(key: str, choices) -> str:
@@ -192,11 +220,12 @@ def normalize_fsdp_keys(values: dict, source: str) -> dict:
     known = {f.name for f in dataclasses.fields(FsdpConfig)}
     out = {}
     for raw_key, value in values.items():
-        key = raw_key[len("fsdp_"):] if raw_key.startswith("fsdp_") else raw_key
+        key = raw_key[len("fsdp_") :] if raw_key.startswith("fsdp_") else raw_key
         key = FSDP_KEY_ALIASES.get(key, key)
         if key in FSDP1_ONLY_KEYS:
-            raise ConfigError(f"'{raw_key}' in {source} is an FSDP1 option with no FSDP2 meaning: "
-                              f"{FSDP1_ONLY_KEYS[key]}")
+            raise ConfigError(
+                f"'{raw_key}' in {source} is an FSDP1 option with no FSDP2 meaning: {FSDP1_ONLY_KEYS[key]}"
+            )
         if key in FSDP2_IMPLIED_KEYS:
             continue
         if key not in known:
@@ -215,18 +244,30 @@ def _read_yaml(path: str) -> dict:
 def _accelerate_yaml(path: str) -> dict:
     doc = _read_yaml(path)
     if str(doc.get("distributed_type", "FSDP")).upper() != "FSDP":
-        raise ConfigError(f"--accelerate-config {path}: distributed_type is {doc['distributed_type']!r}; "
-                          f"set it to FSDP")
+        raise ConfigError(
+            f"--accelerate-config {path}: distributed_type is {doc['distributed_type']!r}; set it to FSDP"
+        )
     values = dict(doc.get("fsdp_config") or {})
     if "mixed_precision" in doc:
         values["mixed_precision"] = doc["mixed_precision"]
     return values
 
 
-# Accelerate's `parallelism_config` block (YAML keys `parallelism_config_<name>`, or the PARALLELISM_CONFIG_<NAME>
+# Accelerate's `parallelism_config` block (YAML keys `parallelism_config_<name>`, or the
+# PARALLELISM_CONFIG_<NAME>
 # variables `accelerate launch` exports) onto our `parallelism` keys.
-ACCELERATE_PARALLELISM_KEYS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size", "cp_comm_strategy")
-ACCELERATE_PARALLELISM_IGNORED = {"cp_backend": "torch", "sp_backend": "deepspeed"}  # meaningless here at these values
+ACCELERATE_PARALLELISM_KEYS = (
+    "dp_replicate_size",
+    "dp_shard_size",
+    "tp_size",
+    "cp_size",
+    "sp_size",
+    "cp_comm_strategy",
+)
+ACCELERATE_PARALLELISM_IGNORED = {
+    "cp_backend": "torch",
+    "sp_backend": "deepspeed",
+}  # meaningless here at these values
 
 
 def accelerate_parallelism(values: dict, source: str) -> dict:
@@ -236,12 +277,16 @@ def accelerate_parallelism(values: dict, source: str) -> dict:
         key = raw_key.lower().removeprefix("parallelism_config_")
         if key in ACCELERATE_PARALLELISM_IGNORED:
             if str(value) != ACCELERATE_PARALLELISM_IGNORED[key]:
-                raise ConfigError(f"{raw_key}={value!r} in {source} is not supported; only "
-                                  f"{ACCELERATE_PARALLELISM_IGNORED[key]!r} (remove it)")
+                raise ConfigError(
+                    f"{raw_key}={value!r} in {source} is not supported; only "
+                    f"{ACCELERATE_PARALLELISM_IGNORED[key]!r} (remove it)"
+                )
             continue
         if key not in ACCELERATE_PARALLELISM_KEYS:
-            raise ConfigError(f"'{raw_key}' in {source} has no equivalent here"
-                              f"{_did_you_mean(key, ACCELERATE_PARALLELISM_KEYS)}")
+            raise ConfigError(
+                f"'{raw_key}' in {source} has no equivalent here"
+                f"{_did_you_mean(key, ACCELERATE_PARALLELISM_KEYS)}"
+            )
         out[key] = value if key == "cp_comm_strategy" else int(value)
     return out
 
@@ -255,17 +300,22 @@ def accelerate_launch_env(environ: dict) -> dict:
     if environ.get("ACCELERATE_USE_FSDP", "").lower() != "true":
         return {}
     env_to_key = {
-        "FSDP_VERSION": "version", "FSDP_RESHARD_AFTER_FORWARD": "reshard_after_forward",
-        "FSDP_OFFLOAD_PARAMS": "cpu_offload", "FSDP_AUTO_WRAP_POLICY": "auto_wrap_policy",
+        "FSDP_VERSION": "version",
+        "FSDP_RESHARD_AFTER_FORWARD": "reshard_after_forward",
+        "FSDP_OFFLOAD_PARAMS": "cpu_offload",
+        "FSDP_AUTO_WRAP_POLICY": "auto_wrap_policy",
         "FSDP_TRANSFORMER_CLS_TO_WRAP": "transformer_layer_cls_to_wrap",
-        "FSDP_STATE_DICT_TYPE": "state_dict_type", "FSDP_CPU_RAM_EFFICIENT_LOADING": "cpu_ram_efficient_loading",
-        "FSDP_ACTIVATION_CHECKPOINTING": "activation_checkpointing", "ACCELERATE_MIXED_PRECISION": "mixed_precision",
+        "FSDP_STATE_DICT_TYPE": "state_dict_type",
+        "FSDP_CPU_RAM_EFFICIENT_LOADING": "cpu_ram_efficient_loading",
+        "FSDP_ACTIVATION_CHECKPOINTING": "activation_checkpointing",
+        "ACCELERATE_MIXED_PRECISION": "mixed_precision",
     }
     out = {}
     for env, key in env_to_key.items():
         if env in environ:
             out[key] = _parse_scalar(environ[env])
-    # accelerate always exports FSDP_MIN_NUM_PARAMS (default 1e8); it only means something for SIZE_BASED_WRAP.
+    # accelerate always exports FSDP_MIN_NUM_PARAMS (default 1e8); it only means something for
+    # SIZE_BASED_WRAP.
     if out.get("auto_wrap_policy") == "SIZE_BASED_WRAP" and "FSDP_MIN_NUM_PARAMS" in environ:
         out["min_num_params"] = int(environ["FSDP_MIN_NUM_PARAMS"])
     return out
@@ -287,8 +337,10 @@ def _merge_sources(sources: list[tuple[str, dict]], section: str) -> dict:
     for name, values in sources:
         for key, value in values.items():
             if key in merged and _canonical(key, merged[key]) != _canonical(key, value):
-                raise ConfigError(f"{section}.{key} is {merged[key]!r} in {origin[key]} but {value!r} in {name}; "
-                                  f"give it in one place only")
+                raise ConfigError(
+                    f"{section}.{key} is {merged[key]!r} in {origin[key]} but {value!r} in {name}; "
+                    f"give it in one place only"
+                )
             merged[key], origin[key] = value, name
     return merged
 
@@ -321,16 +373,20 @@ def _mixed_precision_dtypes(value: dict | str | None, device_type: str) -> dict:
     if isinstance(value, str):
         value = {"param_dtype": value, "reduce_dtype": "float32"}
     if not isinstance(value, dict) or set(value) - {"param_dtype", "reduce_dtype"}:
-        raise ConfigError(f"fsdp.mixed_precision is {value!r}; use 'bf16', 'no', or "
-                          f'{{"param_dtype": "bfloat16", "reduce_dtype": "float32"}}')
+        raise ConfigError(
+            f"fsdp.mixed_precision is {value!r}; use 'bf16', 'no', or "
+            f'{{"param_dtype": "bfloat16", "reduce_dtype": "float32"}}'
+        )
     out = {}
     for key in ("param_dtype", "reduce_dtype"):
         name = str(value.get(key, "float32")).lower().replace("torch.", "")
         if name not in DTYPE_NAMES:
             raise ConfigError(f"fsdp.mixed_precision.{key} is {value.get(key)!r}; use bfloat16 or float32")
         if DTYPE_NAMES[name] == "float16":
-            raise ConfigError(f"fsdp.mixed_precision.{key} is float16, which needs loss scaling that FSDP2 "
-                              f"does not do; use bfloat16")
+            raise ConfigError(
+                f"fsdp.mixed_precision.{key} is float16, which needs loss scaling that FSDP2 "
+                f"does not do; use bfloat16"
+            )
         out[key] = DTYPE_NAMES[name]
     return out
 
@@ -361,7 +417,7 @@ def apply_override(cfg: Config, item: str) -> None:
             continue
         valid = [f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) else []
         if name not in valid:
-            where = ".".join(path.split(".")[:depth + 1])
+            where = ".".join(path.split(".")[: depth + 1])
             raise ConfigError(f"unknown key '{where}' in override '{item}'{_did_you_mean(name, valid)}")
         if is_leaf:
             if dataclasses.is_dataclass(getattr(obj, name)):
@@ -380,7 +436,9 @@ def _check_type(section: str, key: str, value: Any, kinds: tuple, fix: str) -> N
 def validate(cfg: Config) -> None:
     """Everything that can be checked before touching a model or a GPU; identical on every rank."""
     t, f, p, d, c = cfg.train, cfg.fsdp, cfg.parallelism, cfg.data, cfg.checkpoint
-    _check_type("train", "steps", t.steps, (int,), "it must be an integer >= 0 (0: load, evaluate and export)")
+    _check_type(
+        "train", "steps", t.steps, (int,), "it must be an integer >= 0 (0: load, evaluate and export)"
+    )
     if t.steps < 0:
         raise ConfigError(f"train.steps is {t.steps}; it must be >= 0 (0: load, evaluate and export)")
     for key in ("global_batch_size", "micro_batch_size"):
@@ -405,61 +463,108 @@ def validate(cfg: Config) -> None:
     _check_type("fsdp", "version", f.version, (int,), "set it to 2")
     if f.version != 2:
         raise ConfigError(f"fsdp.version is {f.version}; FSDP1 is not supported, set it to 2 (fully_shard)")
-    _check_type("fsdp", "reshard_after_forward", f.reshard_after_forward, (bool, int),
-                "use true, false, or an int (reshard to that many ranks)")
+    _check_type(
+        "fsdp",
+        "reshard_after_forward",
+        f.reshard_after_forward,
+        (bool, int),
+        "use true, false, or an int (reshard to that many ranks)",
+    )
     if not isinstance(f.reshard_after_forward, bool) and f.reshard_after_forward < 1:
         raise ConfigError(f"fsdp.reshard_after_forward is {f.reshard_after_forward}; an int must be >= 1")
-    for key in ("cpu_offload", "cpu_ram_efficient_loading", "activation_checkpointing", "xla", "xla_fsdp_grad_ckpt",
-                "xla_fsdp_v2"):
+    for key in (
+        "cpu_offload",
+        "cpu_ram_efficient_loading",
+        "activation_checkpointing",
+        "xla",
+        "xla_fsdp_grad_ckpt",
+        "xla_fsdp_v2",
+    ):
         _check_type("fsdp", key, getattr(f, key), (bool,), "use true or false")
-    _check_type("fsdp", "xla_fsdp_settings", f.xla_fsdp_settings, (dict,), 'give an object, e.g. {"compute_dtype": '
-                '"bfloat16"}')
+    _check_type(
+        "fsdp",
+        "xla_fsdp_settings",
+        f.xla_fsdp_settings,
+        (dict,),
+        'give an object, e.g. {"compute_dtype": "bfloat16"}',
+    )
     if not f.xla and (f.xla_fsdp_settings or f.xla_fsdp_grad_ckpt):
-        raise ConfigError("fsdp.xla_fsdp_settings / xla_fsdp_grad_ckpt are set but fsdp.xla is false; they apply "
-                          "only to scripts/tpu_xla_fsdp.py with fsdp.xla=true")
+        raise ConfigError(
+            "fsdp.xla_fsdp_settings / xla_fsdp_grad_ckpt are set but fsdp.xla is false; they apply "
+            "only to scripts/tpu_xla_fsdp.py with fsdp.xla=true"
+        )
     if f.auto_wrap_policy not in WRAP_POLICIES:
-        raise ConfigError(f"fsdp.auto_wrap_policy is {f.auto_wrap_policy!r}; use one of {', '.join(WRAP_POLICIES)}"
-                          f"{_did_you_mean(str(f.auto_wrap_policy), WRAP_POLICIES)}")
+        raise ConfigError(
+            f"fsdp.auto_wrap_policy is {f.auto_wrap_policy!r}; use one of {', '.join(WRAP_POLICIES)}"
+            f"{_did_you_mean(str(f.auto_wrap_policy), WRAP_POLICIES)}"
+        )
     if f.auto_wrap_policy == "SIZE_BASED_WRAP":
         if f.min_num_params is None:
             f.min_num_params = 100_000_000  # Accelerate's default
         _check_type("fsdp", "min_num_params", f.min_num_params, (int,), "it must be a positive integer")
         if f.min_num_params <= 0:
-            raise ConfigError(f"fsdp.min_num_params is {f.min_num_params}; SIZE_BASED_WRAP needs a positive "
-                              f"threshold (e.g. 1000000), or use NO_WRAP for a single unit")
+            raise ConfigError(
+                f"fsdp.min_num_params is {f.min_num_params}; SIZE_BASED_WRAP needs a positive "
+                f"threshold (e.g. 1000000), or use NO_WRAP for a single unit"
+            )
     elif f.min_num_params is not None:
-        warnings.warn(f"fsdp.min_num_params={f.min_num_params} is ignored with auto_wrap_policy={f.auto_wrap_policy}")
+        warnings.warn(
+            f"fsdp.min_num_params={f.min_num_params} is ignored with auto_wrap_policy={f.auto_wrap_policy}",
+            stacklevel=2,
+        )
     if not isinstance(f.state_dict_type, str) or f.state_dict_type.upper() not in STATE_DICT_TYPES:
-        raise ConfigError(f"fsdp.state_dict_type is {f.state_dict_type!r}; use FULL_STATE_DICT or SHARDED_STATE_DICT")
+        raise ConfigError(
+            f"fsdp.state_dict_type is {f.state_dict_type!r}; use FULL_STATE_DICT or SHARDED_STATE_DICT"
+        )
     f.state_dict_type = STATE_DICT_TYPES[f.state_dict_type.upper()]
     resolve_mixed_precision(f, "cuda")
     if f.activation_checkpointing and t.gradient_checkpointing:
-        raise ConfigError("fsdp.activation_checkpointing and train.gradient_checkpointing are both true; "
-                          "keep fsdp.activation_checkpointing and set train.gradient_checkpointing=false")
+        raise ConfigError(
+            "fsdp.activation_checkpointing and train.gradient_checkpointing are both true; "
+            "keep fsdp.activation_checkpointing and set train.gradient_checkpointing=false"
+        )
     if cfg.model.name_or_path and cfg.model.config:
-        raise ConfigError(f"model.name_or_path ({cfg.model.name_or_path}) and model.config are both set; the "
-                          f"checkpoint's config.json defines the model, so set model.config={{}}")
+        raise ConfigError(
+            f"model.name_or_path ({cfg.model.name_or_path}) and model.config are both set; the "
+            f"checkpoint's config.json defines the model, so set model.config={{}}"
+        )
     if f.cpu_ram_efficient_loading and not cfg.model.name_or_path:
         # Accepted so the Transformers docs' fsdp_config works as is: from scratch nothing is read from disk
         # and no rank ever materialises the full model anyway.
-        warnings.warn("fsdp.cpu_ram_efficient_loading has no effect without model.name_or_path")
+        warnings.warn("fsdp.cpu_ram_efficient_loading has no effect without model.name_or_path", stacklevel=2)
 
-    for key in ("dp_replicate_size", "dp_shard_size", "fsdp_size", "ep_size", "tp_size", "cp_size", "sp_size"):
+    for key in (
+        "dp_replicate_size",
+        "dp_shard_size",
+        "fsdp_size",
+        "ep_size",
+        "tp_size",
+        "cp_size",
+        "sp_size",
+    ):
         value = getattr(p, key)
         _check_type("parallelism", key, value, (int,), "it must be a positive integer (or -1 for the rest)")
         if value == 0 or value < -1:
-            raise ConfigError(f"parallelism.{key} is {value}; it must be a positive integer (or -1 for the rest)")
+            raise ConfigError(
+                f"parallelism.{key} is {value}; it must be a positive integer (or -1 for the rest)"
+            )
     if p.cp_size > 1 and p.sp_size > 1:
         raise ConfigError(f"parallelism.cp_size={p.cp_size} and sp_size={p.sp_size} are both > 1; pick one")
     if p.cp_comm_strategy not in ("allgather", "alltoall"):
-        raise ConfigError(f"parallelism.cp_comm_strategy is {p.cp_comm_strategy!r}; use allgather or alltoall")
+        raise ConfigError(
+            f"parallelism.cp_comm_strategy is {p.cp_comm_strategy!r}; use allgather or alltoall"
+        )
     if p.timeout_minutes <= 0:
         raise ConfigError(f"parallelism.timeout_minutes is {p.timeout_minutes}; it must be > 0")
 
     if not isinstance(c.interval, int) or c.interval < 0:
-        raise ConfigError(f"checkpoint.interval is {c.interval!r}; use a step count, or 0 for only the end of the run")
+        raise ConfigError(
+            f"checkpoint.interval is {c.interval!r}; use a step count, or 0 for only the end of the run"
+        )
     if not isinstance(t.stop_after, int) or t.stop_after < 0:
-        raise ConfigError(f"train.stop_after is {t.stop_after!r}; use a step count, or 0 to run to train.steps")
+        raise ConfigError(
+            f"train.stop_after is {t.stop_after!r}; use a step count, or 0 to run to train.steps"
+        )
     if c.keep_latest < 1:
         raise ConfigError(f"checkpoint.keep_latest is {c.keep_latest}; keep at least 1")
     if cfg.metrics.log_every < 1:
@@ -479,11 +584,15 @@ def parse_args(argv: list[str] | None = None, description: str = "", xla: bool =
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides, args.fsdp_config, args.accelerate_config, os.environ)
     if cfg.fsdp.xla and not xla:
-        raise ConfigError("fsdp.xla is true, which is the PyTorch/XLA recipe: run scripts/tpu_xla_fsdp.py, or set "
-                          "fsdp.xla=false")
+        raise ConfigError(
+            "fsdp.xla is true, which is the PyTorch/XLA recipe: run scripts/tpu_xla_fsdp.py, or set "
+            "fsdp.xla=false"
+        )
     if xla and not cfg.fsdp.xla:
-        raise ConfigError("fsdp.xla is false but scripts/tpu_xla_fsdp.py is the PyTorch/XLA recipe; set "
-                          "fsdp.xla=true (on GPUs, use scripts/pretrain_fsdp.py)")
+        raise ConfigError(
+            "fsdp.xla is false but scripts/tpu_xla_fsdp.py is the PyTorch/XLA recipe; set "
+            "fsdp.xla=true (on GPUs, use scripts/pretrain_fsdp.py)"
+        )
     return cfg
 
 
@@ -500,19 +609,30 @@ def _read_json(path: str, what: str) -> dict:
     return values
 
 
-def load_config(path: str, overrides: list[str] = (), fsdp_config: str | None = None,
-                accelerate_config: str | None = None, environ: dict | None = None) -> Config:
+def load_config(
+    path: str,
+    overrides: list[str] = (),
+    fsdp_config: str | None = None,
+    accelerate_config: str | None = None,
+    environ: dict | None = None,
+) -> Config:
     values = _read_json(path, "--config")
     cfg = Config()
     fsdp_section = values.pop("fsdp", {}) or {}
     _fill(cfg, values, "")
     sources = [(f"{path} (fsdp)", normalize_fsdp_keys(fsdp_section, f"{path} (fsdp)"))]
     if fsdp_config:
-        sources.append((fsdp_config, normalize_fsdp_keys(_read_json(fsdp_config, "--fsdp-config"), fsdp_config)))
+        sources.append(
+            (fsdp_config, normalize_fsdp_keys(_read_json(fsdp_config, "--fsdp-config"), fsdp_config))
+        )
     if accelerate_config:
         if not os.path.exists(accelerate_config):
-            raise ConfigError(f"--accelerate-config {accelerate_config} does not exist; pass an existing YAML file")
-        sources.append((accelerate_config, normalize_fsdp_keys(_accelerate_yaml(accelerate_config), accelerate_config)))
+            raise ConfigError(
+                f"--accelerate-config {accelerate_config} does not exist; pass an existing YAML file"
+            )
+        sources.append(
+            (accelerate_config, normalize_fsdp_keys(_accelerate_yaml(accelerate_config), accelerate_config))
+        )
     launch_env = accelerate_launch_env(environ or {})
     if launch_env:
         sources.append(("the accelerate launch environment", launch_env))
@@ -523,8 +643,12 @@ def load_config(path: str, overrides: list[str] = (), fsdp_config: str | None = 
         parallelism.append((accelerate_config, accelerate_parallelism(block, accelerate_config)))
     if (environ or {}).get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() == "true":
         exported = {k: v for k, v in environ.items() if k.startswith("PARALLELISM_CONFIG_")}
-        parallelism.append(("the accelerate launch environment",
-                            accelerate_parallelism(exported, "the accelerate launch environment")))
+        parallelism.append(
+            (
+                "the accelerate launch environment",
+                accelerate_parallelism(exported, "the accelerate launch environment"),
+            )
+        )
     _fill(cfg.parallelism, _merge_sources(parallelism, "parallelism"), "parallelism.")
     for item in overrides:
         apply_override(cfg, item)

@@ -28,8 +28,10 @@ from common.config import ConfigError
 CP: dict = {}
 ATTENTION = "cp_allgather"
 TORCH_ATTENTION = "cp_torch"
-# Queries per attention call. Where the causal bias must be materialised (CPU), the mask is [QUERY_BLOCK, keys]:
-# 8k tokens at cp 2 peaked at 170 MB with whole 4k-query shards and 60 MB with 1024-query blocks, equally fast.
+# Queries per attention call. Where the causal bias must be materialised (CPU), the mask is [QUERY_BLOCK,
+# keys]:
+# 8k tokens at cp 2 peaked at 170 MB with whole 4k-query shards and 60 MB with 1024-query blocks, equally
+# fast.
 QUERY_BLOCK = 1024
 
 
@@ -60,14 +62,23 @@ def allgather_kv_attention(module, query, key, value, attention_mask, dropout=0.
     blocks = []
     for local, start, end in CP["query_blocks"]:
         if CP["document_mask"]:
-            causal = torch.arange(start, end, device=query.device)[:, None] >= torch.arange(end, device=query.device)
-            same_document = query_documents[:, local:local + end - start, None] == documents[:, None, :end]
+            causal = torch.arange(start, end, device=query.device)[:, None] >= torch.arange(
+                end, device=query.device
+            )
+            same_document = query_documents[:, local : local + end - start, None] == documents[:, None, :end]
             mask = (causal & same_document).unsqueeze(1)
         else:
             mask = causal_lower_right(end - start, end)
-        blocks.append(F.scaled_dot_product_attention(query[:, :, local:local + end - start], key[:, :, :end],
-                                                     value[:, :, :end], attn_mask=mask, scale=scaling,
-                                                     enable_gqa=gqa))
+        blocks.append(
+            F.scaled_dot_product_attention(
+                query[:, :, local : local + end - start],
+                key[:, :, :end],
+                value[:, :, :end],
+                attn_mask=mask,
+                scale=scaling,
+                enable_gqa=gqa,
+            )
+        )
     return torch.cat(blocks, dim=2).transpose(1, 2).contiguous(), None
 
 
@@ -89,25 +100,34 @@ def shard_positions(seq_len: int, cp_size: int, cp_rank: int, load_balance: bool
     return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]])
 
 
-def check_cp(seq_len: int, cp_size: int, load_balance: bool, hf_config: PretrainedConfig | None = None) -> None:
-    """A length the shards cannot split evenly, or attention the mask here does not express, fails up front."""
+def check_cp(
+    seq_len: int, cp_size: int, load_balance: bool, hf_config: PretrainedConfig | None = None
+) -> None:
+    """A length the shards cannot split evenly, or attention the mask here does not express, fails up
+    front."""
     multiple = 2 * cp_size if load_balance else cp_size
     if seq_len % multiple:
         lower, upper = seq_len // multiple * multiple, (seq_len // multiple + 1) * multiple
         nearest = f"{lower} or {upper}" if lower else str(upper)
-        raise ConfigError(f"data.seq_len={seq_len} is not divisible by {multiple} (cp_size={cp_size}"
-                          f"{', x2 for load balancing' if load_balance else ''}); use {nearest}")
+        raise ConfigError(
+            f"data.seq_len={seq_len} is not divisible by {multiple} (cp_size={cp_size}"
+            f"{', x2 for load balancing' if load_balance else ''}); use {nearest}"
+        )
     window = getattr(hf_config, "sliding_window", None)
     sliding = "sliding_attention" in (getattr(hf_config, "layer_types", None) or []) or (
-        window is not None and getattr(hf_config, "use_sliding_window", True) and window < seq_len)
+        window is not None and getattr(hf_config, "use_sliding_window", True) and window < seq_len
+    )
     if cp_size > 1 and sliding:
-        raise ConfigError(f"parallelism.cp_size={cp_size} but this model uses sliding-window attention (window "
-                          f"{window}), which the CP attention here (full causal over global positions) would get "
-                          f"wrong; evaluate it with cp_size=1")
+        raise ConfigError(
+            f"parallelism.cp_size={cp_size} but this model uses sliding-window attention (window "
+            f"{window}), which the CP attention here (full causal over global positions) would get "
+            f"wrong; evaluate it with cp_size=1"
+        )
 
 
-def setup(seq_len: int, cp_size: int, load_balance: bool, device: torch.device,
-          document_mask: bool = False) -> tuple[torch.Tensor, int, DeviceMesh]:
+def setup(
+    seq_len: int, cp_size: int, load_balance: bool, device: torch.device, document_mask: bool = False
+) -> tuple[torch.Tensor, int, DeviceMesh]:
     """Set this rank's CP state. Returns the positions it holds (index inputs, labels and position ids with
     them), its data-parallel rank, and the cp mesh. With document_mask the model must be given position ids
     that restart at 0 for every document (common/data.document_positions), sharded like the inputs.
@@ -115,7 +135,9 @@ def setup(seq_len: int, cp_size: int, load_balance: bool, device: torch.device,
     The (dp, cp) mesh puts the cp ranks of one data-parallel rank next to each other, so a row-major FSDP
     mesh over the same ranks (build_dp_mesh with dp_shard x cp) shards over dp x cp, with or without HSDP.
     """
-    mesh = init_device_mesh(device.type, (dist.get_world_size() // cp_size, cp_size), mesh_dim_names=("dp", "cp"))
+    mesh = init_device_mesh(
+        device.type, (dist.get_world_size() // cp_size, cp_size), mesh_dim_names=("dp", "cp")
+    )
     cp_rank = mesh.get_local_rank("cp")
     positions = shard_positions(seq_len, cp_size, cp_rank, load_balance)
     every_rank = torch.cat([shard_positions(seq_len, cp_size, r, load_balance) for r in range(cp_size)])
@@ -127,6 +149,12 @@ def setup(seq_len: int, cp_size: int, load_balance: bool, device: torch.device,
             blocks.append((local, start, end))
             local += end - start
     ordered = bool((every_rank.diff() == 1).all())
-    CP.update(size=cp_size, group=mesh.get_group("cp"), query_blocks=blocks, document_mask=document_mask,
-              positions=positions.to(device), key_order=None if ordered else every_rank.argsort().to(device))
+    CP.update(
+        size=cp_size,
+        group=mesh.get_group("cp"),
+        query_blocks=blocks,
+        document_mask=document_mask,
+        positions=positions.to(device),
+        key_order=None if ordered else every_rank.argsort().to(device),
+    )
     return positions.to(device), mesh.get_local_rank("dp"), mesh

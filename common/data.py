@@ -26,7 +26,9 @@ from common.config import ConfigError, DataConfig
 PAD = -1  # marks padding inside the cached array; it becomes pad_token_id in inputs and -100 in labels
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
-EMBEDDED_CORPUS = f"stdlib{sys.version_info[0]}.{sys.version_info[1]}-v2"  # bump when the corpus selection changes
+EMBEDDED_CORPUS = (
+    f"stdlib{sys.version_info[0]}.{sys.version_info[1]}-v2"  # bump when the corpus selection changes
+)
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 
 
@@ -36,7 +38,9 @@ def _embedded_documents(max_bytes: int) -> list[str]:
     docs, total = [], 0
     for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
         top = os.path.relpath(path, root).split(os.sep)[0]
-        if "site-packages" in path or "test" in top or top == "encodings":  # tests and codec tables: not prose-like code
+        if (
+            "site-packages" in path or "test" in top or top == "encodings"
+        ):  # tests and codec tables: not prose-like code
             continue
         with open(path, encoding="utf-8", errors="replace") as f:
             text = f.read()
@@ -54,18 +58,37 @@ def _train_embedded_tokenizer(docs: list[str], vocab_size: int, out_dir: str):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN, PAD_TOKEN],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN, PAD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(docs, trainer)
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN,
-                                     pad_token=PAD_TOKEN)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN
+    )
     hf_tok.save_pretrained(out_dir)
 
 
 def _cache_key(cfg: DataConfig, extra: str) -> str:
-    fields = {k: getattr(cfg, k) for k in ("dataset", "dataset_config", "split", "text_field", "tokenizer",
-                                           "seq_len", "embedded_max_bytes", "embedded_vocab_size", "pack")}
-    return hashlib.sha256((json.dumps(fields, sort_keys=True) + EMBEDDED_CORPUS + extra).encode()).hexdigest()[:16]
+    fields = {
+        k: getattr(cfg, k)
+        for k in (
+            "dataset",
+            "dataset_config",
+            "split",
+            "text_field",
+            "tokenizer",
+            "seq_len",
+            "embedded_max_bytes",
+            "embedded_vocab_size",
+            "pack",
+        )
+    }
+    return hashlib.sha256(
+        (json.dumps(fields, sort_keys=True) + EMBEDDED_CORPUS + extra).encode()
+    ).hexdigest()[:16]
 
 
 def local_files(dataset: str | list) -> list[str] | None:
@@ -76,8 +99,11 @@ def local_files(dataset: str | list) -> list[str] | None:
         return None
     exts = {os.path.splitext(f)[1] for f in files}
     if len(exts) != 1 or exts.pop() not in LOCAL_FORMATS:
-        raise ConfigError(f"data.dataset {dataset!r} matches files of types {sorted({os.path.splitext(f)[1] for f in files})}; "
-                          f"use one of {', '.join(LOCAL_FORMATS)}")
+        raise ConfigError(
+            f"data.dataset {dataset!r} matches files of types "
+            f"{sorted({os.path.splitext(f)[1] for f in files})}; "
+            f"use one of {', '.join(LOCAL_FORMATS)}"
+        )
     return files
 
 
@@ -98,8 +124,10 @@ def load_tokenizer(cfg: DataConfig):
     try:
         return AutoTokenizer.from_pretrained(cfg.tokenizer)
     except OSError as e:
-        raise ConfigError(f"data.tokenizer {cfg.tokenizer!r} could not be loaded ({str(e).splitlines()[0]}); "
-                          f"give a local tokenizer directory or a reachable hub id") from None
+        raise ConfigError(
+            f"data.tokenizer {cfg.tokenizer!r} could not be loaded ({str(e).splitlines()[0]}); "
+            f"give a local tokenizer directory or a reachable hub id"
+        ) from None
 
 
 def _documents(cfg: DataConfig, files: list[str] | None) -> list[str]:
@@ -107,9 +135,13 @@ def _documents(cfg: DataConfig, files: list[str] | None) -> list[str]:
         return _embedded_documents(cfg.embedded_max_bytes)
     import datasets
 
-    ds = datasets.load_dataset(LOCAL_FORMATS[os.path.splitext(files[0])[1]], data_files=files, split=cfg.split)
+    ds = datasets.load_dataset(
+        LOCAL_FORMATS[os.path.splitext(files[0])[1]], data_files=files, split=cfg.split
+    )
     if cfg.text_field not in ds.column_names:
-        raise ConfigError(f"data.text_field is {cfg.text_field!r} but {cfg.dataset} has columns {ds.column_names}")
+        raise ConfigError(
+            f"data.text_field is {cfg.text_field!r} but {cfg.dataset} has columns {ds.column_names}"
+        )
     return list(ds[cfg.text_field])
 
 
@@ -134,8 +166,9 @@ def prepare_local_data(cfg: DataConfig, is_main: bool, build=None, tag: str = ""
     """
     files = None if cfg.dataset == "embedded" else local_files(cfg.dataset)
     if build is None and cfg.dataset != "embedded" and files is None:
-        raise ConfigError(f"data.dataset {cfg.dataset!r} matches no local file; for a hub dataset set "
-                          f"data.streaming=true")
+        raise ConfigError(
+            f"data.dataset {cfg.dataset!r} matches no local file; for a hub dataset set data.streaming=true"
+        )
     key = _cache_key(cfg, (file_fingerprint(files) if files else "") + tag)
     tokens_path = os.path.join(os.path.expanduser(cfg.cache_dir), f"tokens-{key}.npy")
     error = None
@@ -163,8 +196,10 @@ def _tokenize(cfg: DataConfig, files: list[str] | None) -> np.ndarray:
     ids = tokenizer(_documents(cfg, files), add_special_tokens=False)["input_ids"]
     rows = _pack(ids, tokenizer.eos_token_id, cfg.seq_len, cfg.pack)
     if len(rows) == 0:
-        raise ConfigError(f"data.dataset {cfg.dataset!r} yields no sample of data.seq_len={cfg.seq_len} tokens; "
-                          f"lower data.seq_len or add data")
+        raise ConfigError(
+            f"data.dataset {cfg.dataset!r} yields no sample of data.seq_len={cfg.seq_len} tokens; "
+            f"lower data.seq_len or add data"
+        )
     return rows
 
 
@@ -173,7 +208,9 @@ class Batch:
     input_ids: torch.Tensor  # [micro_batch, seq_len]
     labels: torch.Tensor  # [micro_batch, seq_len], -100 where no loss is taken
     sample_ids: list[int]  # global sample positions, for tests and resumption
-    position_ids: torch.Tensor | None = None  # restart at 0 per packed example (SFT) or document (document_mask)
+    position_ids: torch.Tensor | None = (
+        None  # restart at 0 per packed example (SFT) or document (document_mask)
+    )
     token_mask: torch.Tensor | None = None  # SFT: True for real tokens, False for padding
 
 
@@ -189,8 +226,17 @@ def document_positions(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
 class LocalBatches:
     """Deterministic, world-size-independent micro-batches for one data-parallel rank."""
 
-    def __init__(self, tokens_path: str, pad_id: int, seed: int, global_batch: int, micro_batch: int,
-                 dp_rank: int, dp_size: int, document_eos: int | None = None):
+    def __init__(
+        self,
+        tokens_path: str,
+        pad_id: int,
+        seed: int,
+        global_batch: int,
+        micro_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        document_eos: int | None = None,
+    ):
         self.tokens_path = tokens_path
         self.rows = np.load(tokens_path, mmap_mode="r")
         self.pad_id, self.seed, self.document_eos = pad_id, seed, document_eos
@@ -201,7 +247,10 @@ class LocalBatches:
     def _row(self, position: int) -> np.ndarray:
         epoch, index = divmod(position, len(self.rows))
         if epoch != self._epoch:  # reshuffle every pass over the data
-            self._epoch, self._perm = epoch, np.random.default_rng(self.seed + epoch).permutation(len(self.rows))
+            self._epoch, self._perm = (
+                epoch,
+                np.random.default_rng(self.seed + epoch).permutation(len(self.rows)),
+            )
         return self.rows[self._perm[index]]
 
     def micro_batches(self, first_sample: int) -> list[Batch]:
@@ -241,20 +290,28 @@ class StreamingBatches:
     Positions here are per rank, so unlike LocalBatches the batches depend on the world size.
     """
 
-    def __init__(self, cfg: DataConfig, tokenizer, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int):
+    def __init__(
+        self, cfg: DataConfig, tokenizer, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int
+    ):
         import datasets
         from datasets.distributed import split_dataset_by_node
 
         files = local_files(cfg.dataset)
         try:
             if files:
-                ds = datasets.load_dataset(LOCAL_FORMATS[os.path.splitext(files[0])[1]], data_files=files,
-                                           split=cfg.split, streaming=True)
+                ds = datasets.load_dataset(
+                    LOCAL_FORMATS[os.path.splitext(files[0])[1]],
+                    data_files=files,
+                    split=cfg.split,
+                    streaming=True,
+                )
             else:
                 ds = datasets.load_dataset(cfg.dataset, cfg.dataset_config, split=cfg.split, streaming=True)
         except Exception as e:  # the hub client raises many types; all mean "cannot get this dataset"
-            raise ConfigError(f"data.dataset {cfg.dataset!r} could not be streamed ({str(e).splitlines()[0]}); "
-                              f"check the name and network, or use local files") from None
+            raise ConfigError(
+                f"data.dataset {cfg.dataset!r} could not be streamed ({str(e).splitlines()[0]}); "
+                f"check the name and network, or use local files"
+            ) from None
         self.dataset = split_dataset_by_node(ds, rank=dp_rank, world_size=dp_size)
         self.stream = iter(self.dataset)
         self.tokenizer, self.cfg = tokenizer, cfg
@@ -275,7 +332,7 @@ class StreamingBatches:
         while len(self.buffer) < need:
             ids = self.tokenizer(self._next_text(), add_special_tokens=False)["input_ids"]
             self.buffer.extend(ids + [self.tokenizer.eos_token_id])
-        row, self.buffer = self.buffer[:need], self.buffer[need - 1:]
+        row, self.buffer = self.buffer[:need], self.buffer[need - 1 :]
         return row
 
     def state_dict(self) -> dict:
@@ -283,8 +340,10 @@ class StreamingBatches:
 
     def load_state_dict(self, states: list[dict], rank: int) -> None:
         if len(states) != self.dp_size:
-            raise ConfigError(f"this streaming run was checkpointed on {len(states)} data-parallel ranks; a stream "
-                              f"resumes only on the same number (use local files to resume on another world size)")
+            raise ConfigError(
+                f"this streaming run was checkpointed on {len(states)} data-parallel ranks; a stream "
+                f"resumes only on the same number (use local files to resume on another world size)"
+            )
         self.dataset.load_state_dict(states[rank]["dataset"])
         self.stream = iter(self.dataset)
         self.buffer, self.consumed = states[rank]["buffer"], states[rank]["consumed"]
@@ -296,7 +355,9 @@ class StreamingBatches:
             positions = list(range(self.consumed, self.consumed + self.micro_batch))
             self.consumed += self.micro_batch
             inputs = rows[:, :-1].clone()
-            documents = document_positions(inputs, self.tokenizer.eos_token_id) if self.cfg.document_mask else None
+            documents = (
+                document_positions(inputs, self.tokenizer.eos_token_id) if self.cfg.document_mask else None
+            )
             out.append(Batch(inputs, rows[:, 1:].clone(), positions, position_ids=documents))
         return out
 
@@ -316,8 +377,9 @@ def ensure_embedded_tokenizer(cfg: DataConfig, is_main: bool) -> None:
         dist.barrier()
 
 
-def build_batches(cfg: DataConfig, seed: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
-                  is_main: bool):
+def build_batches(
+    cfg: DataConfig, seed: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, is_main: bool
+):
     """(tokenizer, batches) for a run; batches.micro_batches(step) gives this rank's micro-batches."""
     ensure_embedded_tokenizer(cfg, is_main)
     if cfg.streaming:
@@ -327,4 +389,6 @@ def build_batches(cfg: DataConfig, seed: int, global_batch: int, micro_batch: in
     tokenizer = load_tokenizer(cfg)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     document_eos = tokenizer.eos_token_id if cfg.document_mask else None
-    return tokenizer, LocalBatches(tokens_path, pad_id, seed, global_batch, micro_batch, dp_rank, dp_size, document_eos)
+    return tokenizer, LocalBatches(
+        tokens_path, pad_id, seed, global_batch, micro_batch, dp_rank, dp_size, document_eos
+    )

@@ -14,8 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from common.config import ConfigError, ParallelismConfig
 
-
-# Whether init_distributed ran in this process, so end_process may end it (not a test calling main() in-process).
+# Whether init_distributed ran in this process, so end_process may end it (not a test calling main()
+# in-process).
 _STARTED = [False]
 
 
@@ -57,7 +57,8 @@ def init_distributed(device_preference: str, timeout_minutes: float) -> Dist:
     if "RANK" in os.environ:
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
     else:
-        # A plain `python script.py` run: a one-rank group, so the FSDP code path is the same as under torchrun.
+        # A plain `python script.py` run: a one-rank group, so the FSDP code path is the same as under
+        # torchrun.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), device)
 
@@ -100,8 +101,10 @@ def resolve_dp_sizes(p: ParallelismConfig, world_size: int) -> tuple[int, int]:
     """
     for key in ("ep_size", "tp_size", "sp_size"):
         if getattr(p, key) != 1:
-            raise ConfigError(f"parallelism.{key} is {getattr(p, key)} but pretrain_fsdp.py has no expert or "
-                              f"tensor parallelism; set it to 1 (EP/TP: finetune_moe_ep_fsdp.py)")
+            raise ConfigError(
+                f"parallelism.{key} is {getattr(p, key)} but pretrain_fsdp.py has no expert or "
+                f"tensor parallelism; set it to 1 (EP/TP: finetune_moe_ep_fsdp.py)"
+            )
     if world_size % p.cp_size:
         raise ConfigError(f"parallelism.cp_size={p.cp_size} does not divide the world size {world_size}")
     world_size //= p.cp_size
@@ -113,9 +116,11 @@ def resolve_dp_sizes(p: ParallelismConfig, world_size: int) -> tuple[int, int]:
     if replicate == -1:
         replicate = world_size // shard
     if replicate * shard != world_size:
-        raise ConfigError(f"parallelism.dp_replicate_size ({p.dp_replicate_size}) x dp_shard_size "
-                          f"({p.dp_shard_size}) does not cover the world size {world_size}; make their product "
-                          f"{world_size} or set dp_shard_size=-1")
+        raise ConfigError(
+            f"parallelism.dp_replicate_size ({p.dp_replicate_size}) x dp_shard_size "
+            f"({p.dp_shard_size}) does not cover the world size {world_size}; make their product "
+            f"{world_size} or set dp_shard_size=-1"
+        )
     return replicate, shard
 
 
@@ -123,12 +128,16 @@ def build_dp_mesh(device_type: str, dp_replicate: int, dp_shard: int) -> DeviceM
     """1-D FSDP mesh, or 2-D (replicate, shard) for HSDP: fully_shard all-reduces across dim 0."""
     if dp_replicate == 1:
         return init_device_mesh(device_type, (dp_shard,), mesh_dim_names=("dp_shard",))
-    return init_device_mesh(device_type, (dp_replicate, dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    return init_device_mesh(
+        device_type, (dp_replicate, dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
+    )
 
 
 @dataclass
 class MoeSizes:
-    """Transformers' DistributedConfig layout: dense (dp_replicate, fsdp, tp), experts (dp_replicate, efsdp, ep)."""
+    """Transformers' DistributedConfig layout: dense (dp_replicate, fsdp, tp), experts (dp_replicate, efsdp,
+    ep)."""
+
     dp_replicate: int
     fsdp: int
     tp: int
@@ -146,35 +155,51 @@ class MoeSizes:
 def resolve_moe_sizes(p: ParallelismConfig, world_size: int, num_experts: int) -> MoeSizes:
     for key in ("cp_size", "sp_size"):
         if getattr(p, key) != 1:
-            raise ConfigError(f"parallelism.{key} is {getattr(p, key)} but finetune_moe_ep_fsdp.py has no context "
-                              f"parallelism; set it to 1")
+            raise ConfigError(
+                f"parallelism.{key} is {getattr(p, key)} but finetune_moe_ep_fsdp.py has no context "
+                f"parallelism; set it to 1"
+            )
     if p.dp_shard_size != -1:
-        raise ConfigError(f"parallelism.dp_shard_size is {p.dp_shard_size}; finetune_moe_ep_fsdp.py uses "
-                          f"Transformers' name for it, set parallelism.fsdp_size instead")
+        raise ConfigError(
+            f"parallelism.dp_shard_size is {p.dp_shard_size}; finetune_moe_ep_fsdp.py uses "
+            f"Transformers' name for it, set parallelism.fsdp_size instead"
+        )
     if p.dp_replicate_size == -1:
         raise ConfigError("parallelism.dp_replicate_size is -1; give the number of replicas (e.g. nodes)")
     replicate, tp, ep = p.dp_replicate_size, p.tp_size, p.ep_size
     fsdp = world_size // (replicate * tp) if p.fsdp_size == -1 else p.fsdp_size
     if replicate * fsdp * tp != world_size:
-        raise ConfigError(f"parallelism.dp_replicate_size ({replicate}) x fsdp_size ({p.fsdp_size}) x tp_size ({tp}) "
-                          f"does not cover the world size {world_size}; make the product {world_size} or set "
-                          f"fsdp_size=-1")
+        raise ConfigError(
+            f"parallelism.dp_replicate_size ({replicate}) x fsdp_size ({p.fsdp_size}) x tp_size ({tp}) "
+            f"does not cover the world size {world_size}; make the product {world_size} or set "
+            f"fsdp_size=-1"
+        )
     if ep % tp:
         # Transformers allows ep=1 with tp>1, tensor-sharding fused experts in a packed layout that DCP
         # checkpoints and full exports cannot represent (overlapping chunks), so we do not.
-        raise ConfigError(f"parallelism.ep_size ({ep}) is not a multiple of tp_size ({tp}); experts are never "
-                          f"tensor-parallel here, so set ep_size to a multiple of {tp}")
+        raise ConfigError(
+            f"parallelism.ep_size ({ep}) is not a multiple of tp_size ({tp}); experts are never "
+            f"tensor-parallel here, so set ep_size to a multiple of {tp}"
+        )
     if (fsdp * tp) % ep:
-        raise ConfigError(f"parallelism.ep_size ({ep}) does not divide fsdp_size x tp_size ({fsdp} x {tp}); pick "
-                          f"an ep_size that divides {fsdp * tp}")
+        raise ConfigError(
+            f"parallelism.ep_size ({ep}) does not divide fsdp_size x tp_size ({fsdp} x {tp}); pick "
+            f"an ep_size that divides {fsdp * tp}"
+        )
     if num_experts % ep:
-        raise ConfigError(f"parallelism.ep_size ({ep}) does not divide the model's {num_experts} experts; pick an "
-                          f"ep_size that divides {num_experts}")
+        raise ConfigError(
+            f"parallelism.ep_size ({ep}) does not divide the model's {num_experts} experts; pick an "
+            f"ep_size that divides {num_experts}"
+        )
     return MoeSizes(replicate, fsdp, tp, ep)
 
 
 def build_moe_meshes(device_type: str, s: MoeSizes) -> tuple[DeviceMesh, DeviceMesh]:
     """Two views of the same ranks, as Transformers builds them: dense and expert."""
-    dense = init_device_mesh(device_type, (s.dp_replicate, s.fsdp, s.tp), mesh_dim_names=("dp_replicate", "fsdp", "tp"))
-    expert = init_device_mesh(device_type, (s.dp_replicate, s.efsdp, s.ep), mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+    dense = init_device_mesh(
+        device_type, (s.dp_replicate, s.fsdp, s.tp), mesh_dim_names=("dp_replicate", "fsdp", "tp")
+    )
+    expert = init_device_mesh(
+        device_type, (s.dp_replicate, s.efsdp, s.ep), mesh_dim_names=("dp_replicate", "efsdp", "ep")
+    )
     return dense, expert

@@ -22,7 +22,9 @@ def device_peak_flops(device: torch.device) -> float | None:
     return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
-def flops_per_token(num_params: int, num_embedding_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
+def flops_per_token(
+    num_params: int, num_embedding_params: int, num_layers: int, hidden: int, seq_len: int
+) -> float:
     """Training FLOPs per token: 6 * N (N without the input embedding, a lookup) + 12 * L * H * S (attention
     scores and values, forward + backward). The same formula as PaLM's appendix B and torchtitan."""
     return 6 * (num_params - num_embedding_params) + 12 * num_layers * hidden * seq_len
@@ -36,7 +38,9 @@ def peak_memory_bytes(device: torch.device) -> int:
         with open("/proc/self/status") as f:
             return int(next(line for line in f if line.startswith("VmHWM:")).split()[1]) * 1024
     except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: peak since start, in KiB
+        return (
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        )  # not Linux: peak since start, in KiB
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -77,8 +81,16 @@ class MetricsLogger:
         self.file.flush()
         if "step" in record and "event" not in record:
             parts = [f"step {record['step']}"]
-            for key, fmt in (("loss", ".4f"), ("grad_norm", ".3f"), ("lr", ".2e"), ("tokens_per_s", ",.0f"),
-                             ("tokens_per_s_per_device", ",.0f"), ("mfu", ".1%"), ("peak_mem_gib", ".2f"), ("eta_s", ".0f")):
+            for key, fmt in (
+                ("loss", ".4f"),
+                ("grad_norm", ".3f"),
+                ("lr", ".2e"),
+                ("tokens_per_s", ",.0f"),
+                ("tokens_per_s_per_device", ",.0f"),
+                ("mfu", ".1%"),
+                ("peak_mem_gib", ".2f"),
+                ("eta_s", ".0f"),
+            ):
                 if record.get(key) is not None:
                     parts.append(f"{key} {format(record[key], fmt)}")
             print(" | ".join(parts), flush=True)
@@ -153,13 +165,18 @@ class CommCounter:
 
 
 def sharded_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Bytes this rank holds for parameters and optimizer state (gradients, when present, match parameters)."""
+    """Bytes this rank holds for parameters and optimizer state (gradients, when present, match
+    parameters)."""
 
     def local_bytes(t: torch.Tensor) -> int:
         t = t.to_local() if hasattr(t, "to_local") else t
         return t.numel() * t.element_size()
 
     params = sum(local_bytes(p) for p in model.parameters())
-    optim = sum(local_bytes(v) for state in optimizer.state.values() for v in state.values()
-                if isinstance(v, torch.Tensor) and v.ndim > 0)
+    optim = sum(
+        local_bytes(v)
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.ndim > 0
+    )
     return {"param_bytes": params, "optimizer_bytes": optim}

@@ -21,21 +21,33 @@ def load_model_config(cfg: ModelConfig) -> PretrainedConfig:
                 return AutoConfig.for_model(**cfg.config)
             return LlamaConfig(**cfg.config)
         except (TypeError, ValueError) as e:
-            raise ConfigError(f"model.config is not a valid {cfg.config.get('model_type', 'llama')} config: {e}") from None
+            raise ConfigError(
+                f"model.config is not a valid {cfg.config.get('model_type', 'llama')} config: {e}"
+            ) from None
     try:
         hf_config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
-        where = "a local directory" if os.path.isabs(cfg.name_or_path) else "a local directory or a reachable hub id"
-        raise ConfigError(f"model.name_or_path {cfg.name_or_path!r} could not be loaded ({str(e).splitlines()[0]}); "
-                          f"give {where} (offline? set HF_HUB_OFFLINE=1 and use a local copy)") from None
+        where = (
+            "a local directory"
+            if os.path.isabs(cfg.name_or_path)
+            else "a local directory or a reachable hub id"
+        )
+        raise ConfigError(
+            f"model.name_or_path {cfg.name_or_path!r} could not be loaded ({str(e).splitlines()[0]}); "
+            f"give {where} (offline? set HF_HUB_OFFLINE=1 and use a local copy)"
+        ) from None
     return hf_config
 
 
 def build_meta_model(hf_config: PretrainedConfig, cfg: ModelConfig) -> nn.Module:
     """The model's structure only: no memory is allocated until after sharding."""
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config, attn_implementation=cfg.attn_implementation,
-                                                trust_remote_code=cfg.trust_remote_code, dtype=torch.float32)
+        return AutoModelForCausalLM.from_config(
+            hf_config,
+            attn_implementation=cfg.attn_implementation,
+            trust_remote_code=cfg.trust_remote_code,
+            dtype=torch.float32,
+        )
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -54,7 +66,11 @@ def init_weights(model: nn.Module, seed: int, std: float) -> None:
     for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
             # The checkpoint-format name, without AC/compile wrapper prefixes, so AC does not change the init.
-            name = f"{module_name}.{param_name}".lstrip(".").replace(_CHECKPOINT_PREFIX, "").replace("_orig_mod.", "")
+            name = (
+                f"{module_name}.{param_name}".lstrip(".")
+                .replace(_CHECKPOINT_PREFIX, "")
+                .replace("_orig_mod.", "")
+            )
             local = param.to_local() if isinstance(param, DTensor) else param
             generator = torch.Generator(device=local.device).manual_seed(seed ^ zlib.crc32(name.encode()))
             full = torch.empty(param.shape, dtype=torch.float32, device=local.device)
@@ -68,7 +84,9 @@ def init_weights(model: nn.Module, seed: int, std: float) -> None:
                 if padding_idx is not None:
                     full[padding_idx].zero_()
             if isinstance(param, DTensor):
-                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+                full = distribute_tensor(
+                    full, param.device_mesh, param.placements, src_data_rank=None
+                ).to_local()
             local.copy_(full)
 
 

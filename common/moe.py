@@ -27,27 +27,35 @@ DISPATCH = "ep_dispatch_experts"  # the EP plan's style for the modules that hol
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
     """The modules the model's EP plan routes tokens to, one per MoE layer (e.g. layers.N.mlp.experts)."""
-    dispatched = {name for name, style in (getattr(model, "ep_plan", None) or {}).items() if style == DISPATCH}
+    dispatched = {
+        name for name, style in (getattr(model, "ep_plan", None) or {}).items() if style == DISPATCH
+    }
     return [m for name, m in model.named_modules() if replace_layer_number_by_wildcard(name) in dispatched]
 
 
 def check_moe(model: nn.Module, name: str) -> tuple[int, Callable]:
-    """(number of experts, the model's load-balancing loss function), or a one-line error for a dense model."""
+    """(number of experts, the model's load-balancing loss function), or a one-line error for a dense
+    model."""
     experts = expert_modules(model)
     module = importlib.import_module(type(model).__module__)
     aux_loss = getattr(module, "load_balancing_loss_func", None)
     records_router = "router_logits" in (getattr(type(model.base_model), "_can_record_outputs", None) or {})
     if not experts or aux_loss is None or not records_router:
-        raise ConfigError(f"model {name} is a {type(model).__name__}, not a mixture-of-experts model with an expert "
-                          f"plan; use scripts/pretrain_fsdp.py for dense models, or a Qwen3-MoE/Mixtral-style MoE")
+        raise ConfigError(
+            f"model {name} is a {type(model).__name__}, not a mixture-of-experts model with an expert "
+            f"plan; use scripts/pretrain_fsdp.py for dense models, or a Qwen3-MoE/Mixtral-style MoE"
+        )
     return next(experts[0].parameters()).shape[0], aux_loss
 
 
-def apply_tp_ep(model: nn.Module, sizes: MoeSizes, dense_mesh: DeviceMesh, expert_mesh: DeviceMesh) -> list[nn.Module]:
+def apply_tp_ep(
+    model: nn.Module, sizes: MoeSizes, dense_mesh: DeviceMesh, expert_mesh: DeviceMesh
+) -> list[nn.Module]:
     """Tensor-parallel dense layers and expert-parallel experts, on `meta`; returns the modules FSDP must
     shard over the expert mesh (none without EP: experts are then ordinary layer parameters)."""
-    layout = DistributedConfig(dp_replicate_size=sizes.dp_replicate, fsdp_size=sizes.fsdp, tp_size=sizes.tp,
-                               ep_size=sizes.ep)
+    layout = DistributedConfig(
+        dp_replicate_size=sizes.dp_replicate, fsdp_size=sizes.fsdp, tp_size=sizes.tp, ep_size=sizes.ep
+    )
     try:
         # Private, hence the pinned Transformers: it merges class and config plans and expands `layers.*`.
         tp_plan, ep_plan, _ = model._resolve_parallel_plans(layout)

@@ -4,7 +4,8 @@ An example is token ids plus a flag per token saying "this is answer" (completio
 of `data.seq_len` holds one padded example, or with `data.pack` several whole examples; position ids
 restart at 0 for each example, and Transformers turns restarting position ids (with no attention mask)
 into a block-diagonal causal mask, so packed examples never see each other. Rows are cached as one
-`[N, 4, seq_len]` array (input ids, labels, position ids, real-token flags) and batched by the same world-size-independent
+`[N, 4, seq_len]` array (input ids, labels, position ids, real-token flags) and batched by the same
+world-size-independent
 sampler as pretraining.
 """
 
@@ -29,7 +30,9 @@ def arithmetic_examples(split: str) -> list[dict]:
     random.Random(0).shuffle(problems)
     held_out = len(problems) // 10
     chosen = problems[held_out:] if split == "train" else problems[:held_out]
-    return [{"prompt": f"{a}{op}{b}=", "completion": str(a + b if op == "+" else a - b)} for a, op, b in chosen]
+    return [
+        {"prompt": f"{a}{op}{b}=", "completion": str(a + b if op == "+" else a - b)} for a, op, b in chosen
+    ]
 
 
 def _read_examples(source: str | list, split: str) -> list[dict]:
@@ -39,13 +42,19 @@ def _read_examples(source: str | list, split: str) -> list[dict]:
 
     files = local_files(source)
     if files:
-        return list(datasets.load_dataset(LOCAL_FORMATS[os.path.splitext(files[0])[1]], data_files=files, split="train"))
+        return list(
+            datasets.load_dataset(
+                LOCAL_FORMATS[os.path.splitext(files[0])[1]], data_files=files, split="train"
+            )
+        )
     try:
         return list(datasets.load_dataset(source, split=split))
     except Exception as e:  # the hub client raises many types; all mean "cannot get this dataset"
-        raise ConfigError(f"SFT dataset {source!r} is neither local files nor a loadable hub dataset (split "
-                          f"{split!r}: {str(e).splitlines()[0]}); give JSONL files, '{ARITHMETIC}', or a reachable "
-                          f"hub name") from None
+        raise ConfigError(
+            f"SFT dataset {source!r} is neither local files nor a loadable hub dataset (split "
+            f"{split!r}: {str(e).splitlines()[0]}); give JSONL files, '{ARITHMETIC}', or a reachable "
+            f"hub name"
+        ) from None
 
 
 def _chat_tokens(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
@@ -54,7 +63,9 @@ def _chat_tokens(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]
     A turn's tokens are those the template adds between "conversation so far + generation prompt" and
     "conversation including this turn", so any template works without {% generation %} markers.
     """
-    render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=True)["input_ids"]
+    render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=True)[
+        "input_ids"
+    ]
     ids = render(messages, False)
     answer = [0] * len(ids)
     for i, message in enumerate(messages):
@@ -62,9 +73,11 @@ def _chat_tokens(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]
             continue
         start, through = len(render(messages[:i], True)), render(messages[: i + 1], False)
         if ids[: len(through)] != through:
-            raise ConfigError("the tokenizer's chat template renders a conversation differently from its prefixes, "
-                              "so assistant tokens cannot be located; use prompt/completion records instead")
-        answer[start: len(through)] = [1] * (len(through) - start)
+            raise ConfigError(
+                "the tokenizer's chat template renders a conversation differently from its prefixes, "
+                "so assistant tokens cannot be located; use prompt/completion records instead"
+            )
+        answer[start : len(through)] = [1] * (len(through) - start)
     return ids, answer
 
 
@@ -72,20 +85,33 @@ def tokenize_example(tokenizer, example: dict) -> tuple[list[int], list[int]]:
     """(token ids, answer flags) for one record."""
     if "messages" in example:
         if tokenizer.chat_template is None:
-            raise ConfigError("data.dataset has chat 'messages' but the tokenizer has no chat template; set "
-                              "data.tokenizer to one that has, or use prompt/completion records")
+            raise ConfigError(
+                "data.dataset has chat 'messages' but the tokenizer has no chat template; set "
+                "data.tokenizer to one that has, or use prompt/completion records"
+            )
         return _chat_tokens(tokenizer, example["messages"])
     if "prompt" not in example or "completion" not in example:
-        raise ConfigError(f"an SFT record has keys {sorted(example)}; give 'prompt' and 'completion', or 'messages'")
+        raise ConfigError(
+            f"an SFT record has keys {sorted(example)}; give 'prompt' and 'completion', or 'messages'"
+        )
     if tokenizer.chat_template is not None:
-        return _chat_tokens(tokenizer, [{"role": "user", "content": example["prompt"]},
-                                        {"role": "assistant", "content": example["completion"]}])
+        return _chat_tokens(
+            tokenizer,
+            [
+                {"role": "user", "content": example["prompt"]},
+                {"role": "assistant", "content": example["completion"]},
+            ],
+        )
     prompt = tokenizer(example["prompt"], add_special_tokens=False)["input_ids"]
-    completion = tokenizer(example["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    completion = tokenizer(example["completion"], add_special_tokens=False)["input_ids"] + [
+        tokenizer.eos_token_id
+    ]
     return prompt + completion, [0] * len(prompt) + [1] * len(completion)
 
 
-def build_rows(examples: list[tuple[list[int], list[int]]], seq_len: int, pack: bool, pad_id: int) -> np.ndarray:
+def build_rows(
+    examples: list[tuple[list[int], list[int]]], seq_len: int, pack: bool, pad_id: int
+) -> np.ndarray:
     """[N, 4, seq_len]: input ids, labels (next token where it is an answer token, else -100), position ids,
     and 1 for real tokens / 0 for padding."""
     rows, current = [], []
@@ -96,9 +122,9 @@ def build_rows(examples: list[tuple[list[int], list[int]]], seq_len: int, pack: 
         used = 0
         for ids, answer in current:
             n = len(ids) - 1  # an example of n+1 tokens gives n (input, next token) pairs
-            row[0, used:used + n] = ids[:-1]
-            row[1, used:used + n] = np.where(np.asarray(answer[1:]) == 1, ids[1:], -100)
-            row[2, used:used + n] = np.arange(n)
+            row[0, used : used + n] = ids[:-1]
+            row[1, used : used + n] = np.where(np.asarray(answer[1:]) == 1, ids[1:], -100)
+            row[2, used : used + n] = np.arange(n)
             used += n
         row[2, used:] = np.arange(seq_len - used)  # padding is its own segment
         row[3, :used] = 1
@@ -122,8 +148,10 @@ def _tokenize_sft(cfg: DataConfig, tokenizer, source, split: str) -> np.ndarray:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = build_rows(examples, cfg.seq_len, cfg.pack, pad_id)
     if len(rows) == 0:
-        raise ConfigError(f"data.dataset {source!r} has no example with an answer token within data.seq_len="
-                          f"{cfg.seq_len}; raise data.seq_len or check the records")
+        raise ConfigError(
+            f"data.dataset {source!r} has no example with an answer token within data.seq_len="
+            f"{cfg.seq_len}; raise data.seq_len or check the records"
+        )
     return rows
 
 
@@ -144,22 +172,35 @@ def _cache_tag(source: str | list, split: str, tokenizer) -> str:
     return f"sft-{source}-{split}-{tokenizer.name_or_path}-{file_fingerprint(files) if files else ''}"
 
 
-def build_sft_batches(cfg: DataConfig, tokenizer, seed: int, global_batch: int, micro_batch: int, dp_rank: int,
-                      dp_size: int, is_main: bool) -> SftBatches:
+def build_sft_batches(
+    cfg: DataConfig,
+    tokenizer,
+    seed: int,
+    global_batch: int,
+    micro_batch: int,
+    dp_rank: int,
+    dp_size: int,
+    is_main: bool,
+) -> SftBatches:
     build = lambda: _tokenize_sft(cfg, tokenizer, cfg.dataset, cfg.split)
     path = prepare_local_data(cfg, is_main, build, tag=_cache_tag(cfg.dataset, cfg.split, tokenizer))
     return SftBatches(path, 0, seed, global_batch, micro_batch, dp_rank, dp_size)
 
 
-def eval_batches(cfg: DataConfig, tokenizer, max_rows: int, batch_size: int, dp_rank: int, dp_size: int,
-                 is_main: bool) -> list[Batch]:
+def eval_batches(
+    cfg: DataConfig, tokenizer, max_rows: int, batch_size: int, dp_rank: int, dp_size: int, is_main: bool
+) -> list[Batch]:
     """This rank's share of the held-out rows. Every rank gets the same number of batches (short ones are
     filled with rows that carry no labels), because each forward is a collective under FSDP and EP."""
     build = lambda: _tokenize_sft(cfg, tokenizer, cfg.eval_dataset, cfg.eval_split)
-    path = prepare_local_data(cfg, is_main, build, tag=_cache_tag(cfg.eval_dataset, cfg.eval_split, tokenizer))
+    path = prepare_local_data(
+        cfg, is_main, build, tag=_cache_tag(cfg.eval_dataset, cfg.eval_split, tokenizer)
+    )
     rows = np.load(path)[:max_rows]
     per_rank = -(-len(rows) // (dp_size * batch_size)) * batch_size
     filler = rows[:1].copy()
     filler[:, 1] = -100
-    mine = [rows[i] if i < len(rows) else filler[0] for i in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)]
-    return [_to_batch(np.stack(mine[i:i + batch_size]), []) for i in range(0, per_rank, batch_size)]
+    mine = [
+        rows[i] if i < len(rows) else filler[0] for i in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+    ]
+    return [_to_batch(np.stack(mine[i : i + batch_size]), []) for i in range(0, per_rank, batch_size)]

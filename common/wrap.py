@@ -10,7 +10,13 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from common.config import ConfigError, FsdpConfig, layer_class_names, resolve_mixed_precision
 
@@ -21,11 +27,15 @@ def resolve_layer_classes(model: nn.Module, fsdp: FsdpConfig) -> set[str]:
     present = {type(m).__name__ for m in model.modules()}
     missing = names - present
     if missing:
-        raise ConfigError(f"fsdp.transformer_layer_cls_to_wrap names {sorted(missing)}, not in this model; "
-                          f"its classes are: {', '.join(sorted(present))}")
+        raise ConfigError(
+            f"fsdp.transformer_layer_cls_to_wrap names {sorted(missing)}, not in this model; "
+            f"its classes are: {', '.join(sorted(present))}"
+        )
     if not names and fsdp.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
-        raise ConfigError("fsdp.transformer_layer_cls_to_wrap is empty and the model has no _no_split_modules; "
-                          f"name the layer class, one of: {', '.join(sorted(present))}")
+        raise ConfigError(
+            "fsdp.transformer_layer_cls_to_wrap is empty and the model has no _no_split_modules; "
+            f"name the layer class, one of: {', '.join(sorted(present))}"
+        )
     return names
 
 
@@ -53,8 +63,9 @@ def _tied_parameter_owners(model: nn.Module) -> set[nn.Module]:
     return owners
 
 
-def plan_units(model: nn.Module, fsdp: FsdpConfig, layer_classes: set[str],
-               sharded: set[nn.Module] = frozenset()) -> list[list[nn.Module]]:
+def plan_units(
+    model: nn.Module, fsdp: FsdpConfig, layer_classes: set[str], sharded: set[nn.Module] = frozenset()
+) -> list[list[nn.Module]]:
     """The FSDP units below the root, in the order `fully_shard` is called (the root comes last).
 
     A unit is a list of modules that share one all-gather. Tied parameters must live in one unit, so
@@ -66,7 +77,9 @@ def plan_units(model: nn.Module, fsdp: FsdpConfig, layer_classes: set[str],
         return []
     if fsdp.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
         # With activation checkpointing the unit is the CheckpointWrapper, never the layer inside it.
-        inside_wrappers = {m._checkpoint_wrapped_module for m in model.modules() if hasattr(m, "_checkpoint_wrapped_module")}
+        inside_wrappers = {
+            m._checkpoint_wrapped_module for m in model.modules() if hasattr(m, "_checkpoint_wrapped_module")
+        }
         units = [[m] for m in model.modules() if _layer_name(m) in layer_classes and m not in inside_wrappers]
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
         if embed is not None and embed not in tied:
@@ -80,7 +93,12 @@ def plan_units(model: nn.Module, fsdp: FsdpConfig, layer_classes: set[str],
     # Containers are skipped because fully_shard cannot hook a ModuleList/ModuleDict's forward.
     units, claimed = [], {id(p) for m in sharded for p in m.parameters()}
     for module in _post_order(model):
-        if module is model or isinstance(module, (nn.ModuleList, nn.ModuleDict)) or module in tied or module in sharded:
+        if (
+            module is model
+            or isinstance(module, (nn.ModuleList, nn.ModuleDict))
+            or module in tied
+            or module in sharded
+        ):
             continue
         if any(sub in tied for sub in module.modules()):
             continue
@@ -102,8 +120,15 @@ def _post_order(module: nn.Module):
     yield module
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, fsdp: FsdpConfig, device_type: str,
-               compile_layers: bool = False, experts: list[nn.Module] = (), expert_mesh: DeviceMesh | None = None) -> int:
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    fsdp: FsdpConfig,
+    device_type: str,
+    compile_layers: bool = False,
+    experts: list[nn.Module] = (),
+    expert_mesh: DeviceMesh | None = None,
+) -> int:
     """Shard `model` in place per the fsdp config; returns the number of FSDP units (root included).
 
     `experts` (expert-parallel modules) each become a unit on `expert_mesh`, whatever the wrap policy:
@@ -112,18 +137,29 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, fsdp: FsdpConfig, device_type
     layer_classes = resolve_layer_classes(model, fsdp)
     if fsdp.activation_checkpointing:
         # Non-reentrant AC per transformer layer, applied before fully_shard so FSDP hooks see the wrapper.
-        _replace_layers(model, layer_classes, lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+        _replace_layers(
+            model, layer_classes, lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        )
     if compile_layers:
         for module in model.modules():
-            if _layer_name(module) in layer_classes and not isinstance(getattr(module, "_orig_mod", None), nn.Module):
+            if _layer_name(module) in layer_classes and not isinstance(
+                getattr(module, "_orig_mod", None), nn.Module
+            ):
                 module.compile()  # in place, so parameter names (and checkpoints) stay the same
     dtypes = resolve_mixed_precision(fsdp, device_type)
-    mp_policy = MixedPrecisionPolicy(param_dtype=getattr(torch, dtypes["param_dtype"]),
-                                     reduce_dtype=getattr(torch, dtypes["reduce_dtype"]))
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=getattr(torch, dtypes["param_dtype"]), reduce_dtype=getattr(torch, dtypes["reduce_dtype"])
+    )
     # pin_memory needs an accelerator; on a CPU-only box the default pin_memory=True fails.
-    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if fsdp.cpu_offload else OffloadPolicy()
-    kwargs = dict(mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward, mp_policy=mp_policy,
-                  offload_policy=offload)
+    offload: OffloadPolicy = (
+        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if fsdp.cpu_offload else OffloadPolicy()
+    )
+    kwargs = dict(
+        mesh=mesh,
+        reshard_after_forward=fsdp.reshard_after_forward,
+        mp_policy=mp_policy,
+        offload_policy=offload,
+    )
     for module in experts:
         fully_shard(module, **{**kwargs, "mesh": expert_mesh})
     units = plan_units(model, fsdp, layer_classes, set(experts))

@@ -1,4 +1,5 @@
-"""Evaluation loss, perplexity and token accuracy of a checkpoint with context parallelism (cp) x data parallelism.
+"""Evaluation loss, perplexity and token accuracy of a checkpoint with context parallelism (cp) x data
+parallelism.
 
     torchrun --nproc_per_node 4 scripts/eval_cp.py --config configs/debug_eval_cp.json parallelism.cp_size=2
 
@@ -38,6 +39,7 @@ from common.metrics import peak_memory_bytes, reset_peak_memory
 from common.model import build_meta_model, init_buffers, load_model_config
 from common.wrap import apply_fsdp, resolve_layer_classes
 
+
 @torch.no_grad()
 def head_loss(model, hidden: torch.Tensor, labels: torch.Tensor, chunk: int) -> tuple[float, int, int]:
     """(sum of token losses, valid tokens, correct argmax) with lm_head run `chunk` tokens at a time."""
@@ -47,8 +49,8 @@ def head_loss(model, hidden: torch.Tensor, labels: torch.Tensor, chunk: int) -> 
     hidden, labels = hidden.flatten(0, 1), labels.flatten()
     loss_sum, valid, correct = 0.0, 0, 0
     for start in range(0, hidden.shape[0], chunk):
-        logits = F.linear(hidden[start:start + chunk], head.weight).float()
-        target = labels[start:start + chunk]
+        logits = F.linear(hidden[start : start + chunk], head.weight).float()
+        target = labels[start : start + chunk]
         keep = target != -100
         loss_sum += F.cross_entropy(logits, target, ignore_index=-100, reduction="sum").item()
         valid += int(keep.sum())
@@ -64,13 +66,16 @@ def main(argv: list[str] | None = None) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     for key in ("sp_size", "tp_size", "ep_size", "dp_replicate_size"):
         if getattr(p, key) != 1:  # never silently ignored
-            raise ConfigError(f"parallelism.{key} is {getattr(p, key)} but eval_cp.py shards over dp x cp only; "
-                              f"set it to 1")
+            raise ConfigError(
+                f"parallelism.{key} is {getattr(p, key)} but eval_cp.py shards over dp x cp only; set it to 1"
+            )
     if world_size % p.cp_size:
         raise ConfigError(f"parallelism.cp_size={p.cp_size} does not divide the world size {world_size}")
     if p.dp_shard_size not in (-1, world_size // p.cp_size):
-        raise ConfigError(f"parallelism.dp_shard_size is {p.dp_shard_size} but world size {world_size} / cp_size "
-                          f"{p.cp_size} leaves {world_size // p.cp_size} data-parallel ranks; set it to -1")
+        raise ConfigError(
+            f"parallelism.dp_shard_size is {p.dp_shard_size} but world size {world_size} / cp_size "
+            f"{p.cp_size} leaves {world_size // p.cp_size} data-parallel ranks; set it to -1"
+        )
     device_type = resolve_device(cfg.train.device).type
     attention = e.attention
     if attention == "auto":
@@ -79,17 +84,27 @@ def main(argv: list[str] | None = None) -> None:
     if attention not in ("allgather", "torch_cp"):
         raise ConfigError(f"eval.attention is {e.attention!r}; use auto, allgather or torch_cp")
     if attention == "torch_cp" and cfg.data.document_mask:
-        raise ConfigError("eval.attention is 'torch_cp' but data.document_mask is true; torch's context_parallel "
-                          "supports plain causal attention only, so use auto or allgather")
+        raise ConfigError(
+            "eval.attention is 'torch_cp' but data.document_mask is true; torch's context_parallel "
+            "supports plain causal attention only, so use auto or allgather"
+        )
     if attention == "torch_cp" and device_type != "cuda":
-        raise ConfigError("eval.attention is 'torch_cp', which needs CUDA SDPA kernels (torch has no CP sharding "
-                          "rule for the CPU kernel); use auto or allgather")
+        raise ConfigError(
+            "eval.attention is 'torch_cp', which needs CUDA SDPA kernels (torch has no CP sharding "
+            "rule for the CPU kernel); use auto or allgather"
+        )
     if not cfg.model.name_or_path:
         raise ConfigError("model.name_or_path is empty; name the HF directory or export to evaluate")
     if cfg.data.streaming:
-        raise ConfigError("data.streaming is true; eval_cp.py evaluates local data (the embedded corpus or files)")
-    if cfg.data.tokenizer is None and os.path.exists(os.path.join(cfg.model.name_or_path, "tokenizer_config.json")):
-        cfg.data.tokenizer = cfg.model.name_or_path  # evaluate with the tokenizer the checkpoint was trained with
+        raise ConfigError(
+            "data.streaming is true; eval_cp.py evaluates local data (the embedded corpus or files)"
+        )
+    if cfg.data.tokenizer is None and os.path.exists(
+        os.path.join(cfg.model.name_or_path, "tokenizer_config.json")
+    ):
+        cfg.data.tokenizer = (
+            cfg.model.name_or_path
+        )  # evaluate with the tokenizer the checkpoint was trained with
     cfg.model.attn_implementation = cp.TORCH_ATTENTION if attention == "torch_cp" else cp.ATTENTION
     hf_config = load_model_config(cfg.model)
     cp.check_cp(cfg.data.seq_len, p.cp_size, e.load_balance, hf_config)
@@ -111,12 +126,18 @@ def main(argv: list[str] | None = None) -> None:
     if is_sharded_export(cfg.model.name_or_path):  # a SHARDED export or a training checkpoint: both are DCP
         load_sharded_export(model, cfg.model.name_or_path)
     else:
-        load_hf_weights(model, cfg.model.name_or_path, cfg.fsdp.cpu_ram_efficient_loading, cfg.model.trust_remote_code)
+        load_hf_weights(
+            model, cfg.model.name_or_path, cfg.fsdp.cpu_ram_efficient_loading, cfg.model.trust_remote_code
+        )
     model.eval()
     reset_peak_memory(d.device)
-    loaded = gather(peak_memory_bytes(d.device) / 2**30)  # right after the reset: memory held before evaluating
+    loaded = gather(
+        peak_memory_bytes(d.device) / 2**30
+    )  # right after the reset: memory held before evaluating
     hidden = {}
-    model.get_decoder().register_forward_hook(lambda module, args, out: hidden.update(last=out.last_hidden_state))
+    model.get_decoder().register_forward_hook(
+        lambda module, args, out: hidden.update(last=out.last_hidden_state)
+    )
 
     num = min(e.max_sequences, len(data.rows))
     per_step = dp_size * e.batch_size
@@ -125,32 +146,51 @@ def main(argv: list[str] | None = None) -> None:
     batch = data.fixed_batch(num)  # the first `num` sequences, unshuffled; labels already shifted
     with torch.no_grad():
         for first in range(0, num, per_step):
-            # Every rank runs every step (FSDP's all-gathers need all ranks); rows past the end have no targets.
+            # Every rank runs every step (FSDP's all-gathers need all ranks); rows past the end have no
+            # targets.
             index = [first + dp_rank * e.batch_size + i for i in range(e.batch_size)]
             rows = [i if i < num else 0 for i in index]
             input_ids, labels = batch.input_ids[rows], batch.labels[rows].clone()
             labels[[j for j, i in enumerate(index) if i >= num]] = -100
             input_ids, labels = input_ids.to(d.device), labels.to(d.device)
             if attention == "torch_cp":  # torch shards the three buffers in place, then runs ring attention
-                position_ids = torch.arange(L, device=d.device).repeat(len(rows), 1)  # real storage: sharded in place
+                position_ids = torch.arange(L, device=d.device).repeat(
+                    len(rows), 1
+                )  # real storage: sharded in place
                 buffers = [input_ids, labels, position_ids]
-                with context_parallel(cp_mesh["cp"], buffers=buffers, buffer_seq_dims=[1, 1, 1],
-                                      no_restore_buffers=set(buffers)):
+                with context_parallel(
+                    cp_mesh["cp"], buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)
+                ):
                     model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=1, use_cache=False)
             else:  # with data.document_mask, position ids restart per document (the attention masks by them)
-                position_ids = positions.expand(len(rows), -1) if batch.position_ids is None else (
-                    batch.position_ids[rows].to(d.device)[:, positions])
+                position_ids = (
+                    positions.expand(len(rows), -1)
+                    if batch.position_ids is None
+                    else (batch.position_ids[rows].to(d.device)[:, positions])
+                )
                 input_ids, labels = input_ids[:, positions], labels[:, positions]
                 model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=1, use_cache=False)
             loss_sum, valid, correct = head_loss(model, hidden["last"], labels, e.loss_chunk_tokens)
             totals += torch.tensor([loss_sum, valid, correct], dtype=torch.float64)
-    dist.all_reduce(totals)  # over dp x cp: token counts were never multiplied by cp, shards partition sequences
+    dist.all_reduce(
+        totals
+    )  # over dp x cp: token counts were never multiplied by cp, shards partition sequences
     loss_sum, tokens, correct = totals.tolist()
-    results = {"eval_loss": loss_sum / tokens, "perplexity": math.exp(loss_sum / tokens), "accuracy": correct / tokens,
-               "tokens": int(tokens), "sequences": num, "seq_len": L, "cp_size": p.cp_size, "dp_size": dp_size,
-               "load_balance": e.load_balance, "attention": attention, "tokens_per_s": tokens / (time.perf_counter() - start_time),
-               "mem_after_load_gib_per_rank": loaded,
-               "peak_mem_gib_per_rank": gather(peak_memory_bytes(d.device) / 2**30)}
+    results = {
+        "eval_loss": loss_sum / tokens,
+        "perplexity": math.exp(loss_sum / tokens),
+        "accuracy": correct / tokens,
+        "tokens": int(tokens),
+        "sequences": num,
+        "seq_len": L,
+        "cp_size": p.cp_size,
+        "dp_size": dp_size,
+        "load_balance": e.load_balance,
+        "attention": attention,
+        "tokens_per_s": tokens / (time.perf_counter() - start_time),
+        "mem_after_load_gib_per_rank": loaded,
+        "peak_mem_gib_per_rank": gather(peak_memory_bytes(d.device) / 2**30),
+    }
     if d.is_main:
         os.makedirs(cfg.checkpoint.dir, exist_ok=True)
         with open(os.path.join(cfg.checkpoint.dir, "eval_results.json"), "w") as f:

@@ -52,22 +52,33 @@ from common.wrap import apply_fsdp, resolve_layer_classes
 GIB = 2**30
 
 
-def token_loss_sum(model: torch.nn.Module, batch: Batch, device: torch.device,
-                   cp_positions: torch.Tensor | None) -> torch.Tensor:
+def token_loss_sum(
+    model: torch.nn.Module, batch: Batch, device: torch.device, cp_positions: torch.Tensor | None
+) -> torch.Tensor:
     """Summed token loss; with context parallelism, over this rank's positions of each sequence only.
     With data.document_mask the batch's position ids restart per document, which keeps attention inside it."""
     input_ids, labels = batch.input_ids.to(device), batch.labels.to(device)
     position_ids = None if batch.position_ids is None else batch.position_ids.to(device)
     if cp_positions is not None:  # labels were shifted on the full row; everything is sharded the same way
         input_ids, labels = input_ids[:, cp_positions], labels[:, cp_positions]
-        position_ids = cp_positions.expand(len(input_ids), -1) if position_ids is None else (
-            position_ids[:, cp_positions])
+        position_ids = (
+            cp_positions.expand(len(input_ids), -1)
+            if position_ids is None
+            else (position_ids[:, cp_positions])
+        )
     logits = model(input_ids=input_ids, position_ids=position_ids).logits
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
 
 
-def train_step(model, optimizer, micro_batches, device, max_grad_norm: float, cp_positions: torch.Tensor | None,
-               sync_each_batch: bool) -> tuple[float, float, int]:
+def train_step(
+    model,
+    optimizer,
+    micro_batches,
+    device,
+    max_grad_norm: float,
+    cp_positions: torch.Tensor | None,
+    sync_each_batch: bool,
+) -> tuple[float, float, int]:
     """One optimizer step over this rank's micro-batches; returns (mean token loss, grad norm, tokens).
 
     The loss is divided by the number of target tokens summed over all ranks and micro-batches, and FSDP
@@ -75,7 +86,9 @@ def train_step(model, optimizer, micro_batches, device, max_grad_norm: float, cp
     with or without padding.
     """
     # Counted on the shards each rank trains on: cp shards partition a sequence, so no token counts twice.
-    shard = (lambda labels: labels) if cp_positions is None else (lambda labels: labels[:, cp_positions.cpu()])
+    shard = (
+        (lambda labels: labels) if cp_positions is None else (lambda labels: labels[:, cp_positions.cpu()])
+    )
     local_tokens = sum(int((shard(b.labels) != -100).sum()) for b in micro_batches)
     global_tokens = torch.tensor(local_tokens, device=device, dtype=torch.float64)
     dist.all_reduce(global_tokens)
@@ -108,9 +121,11 @@ def main(argv: list[str] | None = None) -> None:
     t, cp_size = cfg.train, cfg.parallelism.cp_size
     dp_size = world_size // cp_size  # the cp ranks of a data-parallel group share its batch
     if t.global_batch_size % (t.micro_batch_size * dp_size):
-        raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) is not a multiple of micro_batch_size "
-                          f"({t.micro_batch_size}) x data-parallel size ({dp_size}); make it a multiple of "
-                          f"{t.micro_batch_size * dp_size}")
+        raise ConfigError(
+            f"train.global_batch_size ({t.global_batch_size}) is not a multiple of micro_batch_size "
+            f"({t.micro_batch_size}) x data-parallel size ({dp_size}); make it a multiple of "
+            f"{t.micro_batch_size * dp_size}"
+        )
     if cp_size > 1:
         cfg.model.attn_implementation = cp.ATTENTION  # K/V all-gathered over the cp group (common/cp.py)
     hf_config = load_model_config(cfg.model)
@@ -129,11 +144,20 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(t.seed)
 
     # Data before the model, so a missing dataset or tokenizer fails before any memory is allocated.
-    tokenizer, data = build_batches(cfg.data, t.seed, t.global_batch_size, t.micro_batch_size,
-                                    dp_rank=dp_rank, dp_size=dp_size, is_main=d.is_main)
+    tokenizer, data = build_batches(
+        cfg.data,
+        t.seed,
+        t.global_batch_size,
+        t.micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        is_main=d.is_main,
+    )
     if len(tokenizer) > hf_config.vocab_size:
-        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but model vocab_size is {hf_config.vocab_size}; "
-                          f"set model.config.vocab_size >= {len(tokenizer)}")
+        raise ConfigError(
+            f"the tokenizer has {len(tokenizer)} tokens but model vocab_size is {hf_config.vocab_size}; "
+            f"set model.config.vocab_size >= {len(tokenizer)}"
+        )
     run_dir = cfg.checkpoint.dir
     check_shared_storage(run_dir)  # multi-node: a node-local checkpoint.dir could never be resumed
 
@@ -145,13 +169,18 @@ def main(argv: list[str] | None = None) -> None:
     model.to_empty(device=param_device)
     init_buffers(model, d.device)
     resume_from = find_resume_checkpoint(run_dir, cfg.checkpoint.resume)
-    load_weights(model, cfg, resume_from, hf_config.initializer_range)  # resume: weights come with the optimizer
+    load_weights(
+        model, cfg, resume_from, hf_config.initializer_range
+    )  # resume: weights come with the optimizer
     model.train()
     load_peaks = gather(peak_memory_bytes(d.device) / GIB)
     reset_peak_memory(d.device)
     optimizer = build_optimizer(model, cfg, d.device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
-    start_step, samples = 0, 0  # samples: the global data position, so a resume on any world size continues it
+    start_step, samples = (
+        0,
+        0,
+    )  # samples: the global data position, so a resume on any world size continues it
     if resume_from:
         state = load_checkpoint(resume_from, model, optimizer, scheduler)
         data.load_state_dict(state["data"], d.rank)
@@ -159,20 +188,35 @@ def main(argv: list[str] | None = None) -> None:
 
     num_params = sum(p.numel() for p in model.parameters())
     num_embed = model.get_input_embeddings().weight.numel()
-    timer = StepTimer(t.steps, flops_per_token(num_params, num_embed, hf_config.num_hidden_layers,
-                                               hf_config.hidden_size, cfg.data.seq_len),
-                      cfg.metrics.peak_flops or device_peak_flops(d.device), d.world_size)
+    timer = StepTimer(
+        t.steps,
+        flops_per_token(
+            num_params, num_embed, hf_config.num_hidden_layers, hf_config.hidden_size, cfg.data.seq_len
+        ),
+        cfg.metrics.peak_flops or device_peak_flops(d.device),
+        d.world_size,
+    )
     logger = MetricsLogger(run_dir, d.is_main, cfg.metrics.tensorboard)
     if d.is_main:
         with open(os.path.join(run_dir, "run_config.json"), "w") as f:
             json.dump(to_dict(cfg), f, indent=2)
     compiled = sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
-    logger.log({"event": "model_ready", "params": num_params, "fsdp_units": num_units, "world_size": d.world_size,
-                "compiled_layers": compiled,
-                "mesh": list(mesh.shape), "device": str(d.device),
-                "mixed_precision": resolve_mixed_precision(cfg.fsdp, d.device.type),
-                "peak_mem_after_load_gib_per_rank": load_peaks,
-                "data": getattr(data, "tokens_path", None), "resumed_from": resume_from, "start_step": start_step})
+    logger.log(
+        {
+            "event": "model_ready",
+            "params": num_params,
+            "fsdp_units": num_units,
+            "world_size": d.world_size,
+            "compiled_layers": compiled,
+            "mesh": list(mesh.shape),
+            "device": str(d.device),
+            "mixed_precision": resolve_mixed_precision(cfg.fsdp, d.device.type),
+            "peak_mem_after_load_gib_per_rank": load_peaks,
+            "data": getattr(data, "tokens_path", None),
+            "resumed_from": resume_from,
+            "start_step": start_step,
+        }
+    )
 
     comm = CommCounter()
     preemption = PreemptionWatch(d.device)  # SIGUSR1 or the Slurm batch script's request file
@@ -181,21 +225,32 @@ def main(argv: list[str] | None = None) -> None:
             maybe_inject_fault("kill", step, run_dir)
             maybe_inject_fault("hang", step, run_dir)
             micro_batches = data.micro_batches(samples)
-            loss, grad_norm, tokens = train_step(model, optimizer, micro_batches, d.device, t.max_grad_norm,
-                                                 cp_positions, t.sync_each_batch)
+            loss, grad_norm, tokens = train_step(
+                model, optimizer, micro_batches, d.device, t.max_grad_norm, cp_positions, t.sync_each_batch
+            )
             samples += t.global_batch_size
             if maybe_inject_fault("nan", step, run_dir):
                 loss = math.nan
             if not math.isfinite(loss):
-                # Every rank sees the same all-reduced loss, so all stop here, before any checkpoint is written.
-                raise SystemExit(f"loss is {loss} at step {step}; stopping without saving, the last checkpoint is "
-                                 f"intact (try a lower train.lr or train.max_grad_norm)")
+                # Every rank sees the same all-reduced loss, so all stop here, before any checkpoint is
+                # written.
+                raise SystemExit(
+                    f"loss is {loss} at step {step}; stopping without saving, the last checkpoint is "
+                    f"intact (try a lower train.lr or train.max_grad_norm)"
+                )
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             if step % cfg.metrics.log_every == 0 or step == t.steps:
-                record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
-                          "samples": samples, **timer.record(step - start_step, tokens),
-                          "peak_mem_gib": peak_memory_bytes(d.device) / GIB}
+                record = {
+                    "step": step,
+                    "loss": loss,
+                    "grad_norm": grad_norm,
+                    "lr": lr,
+                    "tokens": tokens,
+                    "samples": samples,
+                    **timer.record(step - start_step, tokens),
+                    "peak_mem_gib": peak_memory_bytes(d.device) / GIB,
+                }
                 if cfg.metrics.comm_stats:
                     record.update(comm.reset())
                 if cfg.metrics.sample_ids:
@@ -207,21 +262,39 @@ def main(argv: list[str] | None = None) -> None:
             stopping = preempted or (t.stop_after and step - start_step >= t.stop_after)
             interval = cfg.checkpoint.interval
             if (interval and step % interval == 0) or step == t.steps or stopping:
-                train_state = {"step": step, "samples": samples, "world_size": d.world_size, "loss": loss,
-                               "scheduler": scheduler.state_dict(), "data": gather(data.state_dict())}
-                path = save_checkpoint(run_dir, step, model, optimizer, train_state, cfg.checkpoint.keep_latest,
-                                       tokenizer)
+                train_state = {
+                    "step": step,
+                    "samples": samples,
+                    "world_size": d.world_size,
+                    "loss": loss,
+                    "scheduler": scheduler.state_dict(),
+                    "data": gather(data.state_dict()),
+                }
+                path = save_checkpoint(
+                    run_dir, step, model, optimizer, train_state, cfg.checkpoint.keep_latest, tokenizer
+                )
                 logger.log({"event": "checkpoint", "step": step, "path": path})
             if stopping and step < t.steps:
-                logger.log({"event": "stopped", "step": step, "reason": "preempted" if preempted else "train.stop_after"})
+                logger.log(
+                    {
+                        "event": "stopped",
+                        "step": step,
+                        "reason": "preempted" if preempted else "train.stop_after",
+                    }
+                )
                 logger.close()
                 dist.destroy_process_group()
                 return
 
-    final = {"event": "final", "state_bytes_per_rank": gather(sharded_state_bytes(model, optimizer)),
-             "peak_mem_gib_per_rank": gather(peak_memory_bytes(d.device) / GIB)}  # training's peak, every rank
+    final = {
+        "event": "final",
+        "state_bytes_per_rank": gather(sharded_state_bytes(model, optimizer)),
+        "peak_mem_gib_per_rank": gather(peak_memory_bytes(d.device) / GIB),
+    }  # training's peak, every rank
     if not cfg.data.streaming:
-        final["fixed_batch_loss"] = fixed_batch_loss(model, data.fixed_batch(t.micro_batch_size), d.device, cp_positions)
+        final["fixed_batch_loss"] = fixed_batch_loss(
+            model, data.fixed_batch(t.micro_batch_size), d.device, cp_positions
+        )
     logger.log(final)
     if cfg.checkpoint.export:
         path = export_final(model, cfg, tokenizer, d.device.type)

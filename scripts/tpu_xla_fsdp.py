@@ -1,11 +1,14 @@
 """Llama pretraining on PyTorch/XLA (TPU, or XLA's CPU runtime in CI) with SPMD FSDPv2.
 
-    PJRT_DEVICE=TPU python scripts/tpu_xla_fsdp.py --config configs/tpu_llama.json         # on every TPU VM worker
+    PJRT_DEVICE=TPU python scripts/tpu_xla_fsdp.py --config configs/tpu_llama.json         # on every TPU VM
+    worker
     PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 python scripts/tpu_xla_fsdp.py --config configs/debug_tpu.json
 
 The recipe of pretrain_fsdp.py (config schema, data, initialisation, AdamW and schedule, global-token loss,
-metrics, checkpoints, HF export) on XLA. The story of main(): config -> SPMD mesh with an `fsdp` axis -> data ->
-model in host memory -> FSDPv2 per planned unit (optionally with gradient checkpointing) -> train loop with the
+metrics, checkpoints, HF export) on XLA. The story of main(): config -> SPMD mesh with an `fsdp` axis -> data
+->
+model in host memory -> FSDPv2 per planned unit (optionally with gradient checkpointing) -> train loop with
+the
 batch sharded over `fsdp` -> DCP checkpoints -> HF export.
 
 Why SPMD FSDPv2 (SpmdFullyShardedDataParallel) and not FSDPv1 (XlaFullyShardedDataParallel): one process per
@@ -57,7 +60,11 @@ try:
     import torch_xla.runtime as xr
     from torch_xla.distributed.fsdp import checkpoint_module
     from torch_xla.distributed.fsdp.wrap import lambda_auto_wrap_policy
-    from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner, prime_optimizer
+    from torch_xla.experimental.distributed_checkpoint import (
+        SPMDLoadPlanner,
+        SPMDSavePlanner,
+        prime_optimizer,
+    )
     from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 except ImportError as error:  # the main environment: everything above the training itself still works
     torch_xla, XLA_IMPORT_ERROR = None, error
@@ -79,21 +86,29 @@ def xla_settings(fsdp: FsdpConfig) -> tuple[dict, torch.dtype]:
     for key in DTYPE_SETTINGS & settings.keys():
         dtype = getattr(torch, str(settings[key]), None)
         if not isinstance(dtype, torch.dtype):
-            raise ConfigError(f"fsdp.xla_fsdp_settings.{key} is {settings[key]!r}; use a torch dtype name such as "
-                              f"bfloat16 or float32")
+            raise ConfigError(
+                f"fsdp.xla_fsdp_settings.{key} is {settings[key]!r}; use a torch dtype name such as "
+                f"bfloat16 or float32"
+            )
         settings[key] = dtype
     compute = settings.pop("compute_dtype", torch.float32)
     if compute not in (torch.float32, torch.bfloat16):
-        raise ConfigError(f"fsdp.xla_fsdp_settings.compute_dtype is {compute}; XLA autocast computes in bfloat16 "
-                          f"(or leave float32)")
+        raise ConfigError(
+            f"fsdp.xla_fsdp_settings.compute_dtype is {compute}; XLA autocast computes in bfloat16 "
+            f"(or leave float32)"
+        )
     buffer = settings.pop("buffer_dtype", torch.float32)
     if buffer != torch.float32:
-        raise ConfigError(f"fsdp.xla_fsdp_settings.buffer_dtype is {buffer}; buffers (RoPE frequencies) stay float32 "
-                          f"here, compute_dtype sets the compute precision; remove it")
+        raise ConfigError(
+            f"fsdp.xla_fsdp_settings.buffer_dtype is {buffer}; buffers (RoPE frequencies) stay float32 "
+            f"here, compute_dtype sets the compute precision; remove it"
+        )
     unknown = settings.keys() - FSDPV2_SETTINGS
     if unknown:
-        raise ConfigError(f"fsdp.xla_fsdp_settings has {sorted(unknown)}, which SPMD FSDPv2 does not take (FSDPv1-only "
-                          f"options); use compute_dtype or {sorted(FSDPV2_SETTINGS)}")
+        raise ConfigError(
+            f"fsdp.xla_fsdp_settings has {sorted(unknown)}, which SPMD FSDPv2 does not take (FSDPv1-only "
+            f"options); use compute_dtype or {sorted(FSDPV2_SETTINGS)}"
+        )
     return settings, compute
 
 
@@ -101,30 +116,47 @@ def check_xla_config(cfg: Config, num_devices: int) -> None:
     """FSDP keys with no XLA FSDPv2 meaning are errors, never silently dropped."""
     f, t, p = cfg.fsdp, cfg.train, cfg.parallelism
     if not f.xla_fsdp_v2:
-        raise ConfigError("fsdp.xla_fsdp_v2 is false (FSDPv1, XlaFullyShardedDataParallel), which this script does "
-                          "not implement; set it to true for SPMD FSDPv2")
-    unsupported = {"fsdp.cpu_offload": f.cpu_offload, "fsdp.reshard_after_forward": f.reshard_after_forward is not True,
-                   "fsdp.activation_checkpointing": f.activation_checkpointing, "fsdp.mixed_precision": f.mixed_precision,
-                   "train.gradient_checkpointing": t.gradient_checkpointing, "train.compile": t.compile,
-                   "train.sync_each_batch": t.sync_each_batch}
+        raise ConfigError(
+            "fsdp.xla_fsdp_v2 is false (FSDPv1, XlaFullyShardedDataParallel), which this script does "
+            "not implement; set it to true for SPMD FSDPv2"
+        )
+    unsupported = {
+        "fsdp.cpu_offload": f.cpu_offload,
+        "fsdp.reshard_after_forward": f.reshard_after_forward is not True,
+        "fsdp.activation_checkpointing": f.activation_checkpointing,
+        "fsdp.mixed_precision": f.mixed_precision,
+        "train.gradient_checkpointing": t.gradient_checkpointing,
+        "train.compile": t.compile,
+        "train.sync_each_batch": t.sync_each_batch,
+    }
     for key, value in unsupported.items():
         if value:
-            raise ConfigError(f"{key} is set, which has no meaning in the XLA FSDPv2 recipe (the XLA compiler shards, "
-                              f"schedules and compiles; use fsdp.xla_fsdp_grad_ckpt for checkpointing and "
-                              f"fsdp.xla_fsdp_settings.compute_dtype for precision); remove it")
+            raise ConfigError(
+                f"{key} is set, which has no meaning in the XLA FSDPv2 recipe (the XLA compiler shards, "
+                f"schedules and compiles; use fsdp.xla_fsdp_grad_ckpt for checkpointing and "
+                f"fsdp.xla_fsdp_settings.compute_dtype for precision); remove it"
+            )
     if cfg.data.document_mask:
-        raise ConfigError("data.document_mask is true, which the XLA recipe does not implement (its attention is "
-                          "plain causal over the packed row); set it to false")
+        raise ConfigError(
+            "data.document_mask is true, which the XLA recipe does not implement (its attention is "
+            "plain causal over the packed row); set it to false"
+        )
     for key in ("dp_replicate_size", "cp_size", "sp_size", "tp_size", "ep_size"):
         if getattr(p, key) != 1:
-            raise ConfigError(f"parallelism.{key} is {getattr(p, key)}; the XLA recipe has one fsdp axis over all "
-                              f"devices, set it to 1")
+            raise ConfigError(
+                f"parallelism.{key} is {getattr(p, key)}; the XLA recipe has one fsdp axis over all "
+                f"devices, set it to 1"
+            )
     if t.micro_batch_size % num_devices:
-        raise ConfigError(f"train.micro_batch_size ({t.micro_batch_size}) is not a multiple of the {num_devices} XLA "
-                          f"devices the batch is sharded over; make it a multiple of {num_devices}")
+        raise ConfigError(
+            f"train.micro_batch_size ({t.micro_batch_size}) is not a multiple of the {num_devices} XLA "
+            f"devices the batch is sharded over; make it a multiple of {num_devices}"
+        )
     if t.global_batch_size % t.micro_batch_size:
-        raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) is not a multiple of micro_batch_size "
-                          f"({t.micro_batch_size})")
+        raise ConfigError(
+            f"train.global_batch_size ({t.global_batch_size}) is not a multiple of micro_batch_size "
+            f"({t.micro_batch_size})"
+        )
 
 
 def wrap_plan(model: nn.Module, fsdp: FsdpConfig, grad_ckpt: bool) -> tuple[set[nn.Module], set[nn.Module]]:
@@ -134,8 +166,10 @@ def wrap_plan(model: nn.Module, fsdp: FsdpConfig, grad_ckpt: bool) -> tuple[set[
     wrapped = {module for unit in plan_units(model, fsdp, layer_classes) for module in unit}
     layers = {m for m in wrapped if type(m).__name__ in layer_classes} if grad_ckpt else set()
     if grad_ckpt and not layers:
-        raise ConfigError(f"fsdp.xla_fsdp_grad_ckpt is true but auto_wrap_policy={fsdp.auto_wrap_policy} wraps no "
-                          f"transformer layer to checkpoint; use TRANSFORMER_BASED_WRAP")
+        raise ConfigError(
+            f"fsdp.xla_fsdp_grad_ckpt is true but auto_wrap_policy={fsdp.auto_wrap_policy} wraps no "
+            f"transformer layer to checkpoint; use TRANSFORMER_BASED_WRAP"
+        )
     return wrapped, layers
 
 
@@ -157,8 +191,10 @@ def build_model(cfg: Config) -> nn.Module:
     """The full fp32 model in host memory: the checkpoint's weights, or pretrain_fsdp.py's seeded
     initialisation (the same numbers, so both scripts start from the same model)."""
     if cfg.model.attn_implementation not in ("sdpa", "eager"):
-        raise ConfigError(f"model.attn_implementation is {cfg.model.attn_implementation!r}; on XLA use eager (sdpa, "
-                          f"the default, is replaced by eager)")
+        raise ConfigError(
+            f"model.attn_implementation is {cfg.model.attn_implementation!r}; on XLA use eager (sdpa, "
+            f"the default, is replaced by eager)"
+        )
     # XLA autocast leaves SDPA's inputs alone and RoPE makes Q and K fp32 while V is bf16, which SDPA refuses;
     # eager attention's matmuls autocast, and XLA fuses them into one kernel anyway.
     cfg.model.attn_implementation = "eager"
@@ -166,11 +202,17 @@ def build_model(cfg: Config) -> nn.Module:
     hf_config.use_cache = False
     if cfg.model.name_or_path:
         if is_sharded_export(cfg.model.name_or_path):
-            raise ConfigError(f"model.name_or_path {cfg.model.name_or_path!r} is a DCP checkpoint; give an HF directory "
-                              f"(a FULL_STATE_DICT export)")
-        return AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, config=hf_config, dtype=torch.float32,
-                                                    attn_implementation=cfg.model.attn_implementation,
-                                                    trust_remote_code=cfg.model.trust_remote_code)
+            raise ConfigError(
+                f"model.name_or_path {cfg.model.name_or_path!r} is a DCP checkpoint; give an HF directory "
+                f"(a FULL_STATE_DICT export)"
+            )
+        return AutoModelForCausalLM.from_pretrained(
+            cfg.model.name_or_path,
+            config=hf_config,
+            dtype=torch.float32,
+            attn_implementation=cfg.model.attn_implementation,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
     model = build_meta_model(hf_config, cfg.model)
     model.to_empty(device="cpu")
     init_buffers(model, torch.device("cpu"))
@@ -183,13 +225,17 @@ def token_loss_sum(model, batch, mesh, compute_dtype: torch.dtype) -> torch.Tens
     input_ids, labels = batch.input_ids.to(torch_xla.device()), batch.labels.to(torch_xla.device())
     xs.mark_sharding(input_ids, mesh, ("fsdp", None))
     xs.mark_sharding(labels, mesh, ("fsdp", None))
-    precision = torch.autocast("xla", dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
+    precision = (
+        torch.autocast("xla", dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
+    )
     with precision:
         logits = model(input_ids=input_ids).logits
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
 
 
-def train_step(model, optimizer, micro_batches, mesh, compute_dtype, max_grad_norm: float) -> tuple[float, float, int]:
+def train_step(
+    model, optimizer, micro_batches, mesh, compute_dtype, max_grad_norm: float
+) -> tuple[float, float, int]:
     """One optimizer step; the loss is divided by the step's target tokens, as in pretrain_fsdp.py."""
     tokens = sum(int((b.labels != -100).sum()) for b in micro_batches)  # one process sees the whole batch
     loss_sum = torch.zeros((), device=torch_xla.device())
@@ -207,7 +253,9 @@ def train_step(model, optimizer, micro_batches, mesh, compute_dtype, max_grad_no
     return loss_sum.item() / tokens, grad_norm.item(), tokens
 
 
-def save_checkpoint(run_dir: str, step: int, model, optimizer, train_state: dict, keep_latest: int, tokenizer) -> str:
+def save_checkpoint(
+    run_dir: str, step: int, model, optimizer, train_state: dict, keep_latest: int, tokenizer
+) -> str:
     """DCP of the sharded model and optimizer state (each device's shard written as is), then published as
     pretrain_fsdp.py publishes its checkpoints. Tensors only: the param groups come from the config."""
     final = os.path.join(checkpoints_dir(run_dir), f"step-{step}")
@@ -233,7 +281,9 @@ def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
     state = {"model": model.state_dict(), "optim": optimizer.state_dict()["state"]}
     dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=SPMDLoadPlanner())
     model.load_state_dict(state["model"])
-    optimizer.load_state_dict({"state": state["optim"], "param_groups": optimizer.state_dict()["param_groups"]})
+    optimizer.load_state_dict(
+        {"state": state["optim"], "param_groups": optimizer.state_dict()["param_groups"]}
+    )
     return restore_train_state(path, optimizer, scheduler)
 
 
@@ -264,8 +314,10 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv, description=__doc__, xla=True)
     settings, compute_dtype = xla_settings(cfg.fsdp)
     if torch_xla is None:
-        raise ConfigError(f"fsdp.xla is true but torch_xla is not importable ({XLA_IMPORT_ERROR}); install "
-                          f"requirements-xla.txt (torch 2.9.0 + torch_xla 2.9.0) in its own environment, see README")
+        raise ConfigError(
+            f"fsdp.xla is true but torch_xla is not importable ({XLA_IMPORT_ERROR}); install "
+            f"requirements-xla.txt (torch 2.9.0 + torch_xla 2.9.0) in its own environment, see README"
+        )
     if xr.process_count() > 1:
         # Multi-host TPU: DCP needs a process group to coordinate hosts (each host drives its own devices).
         torch.distributed.init_process_group("gloo", init_method="xla://")
@@ -277,12 +329,15 @@ def main(argv: list[str] | None = None) -> None:
     t, run_dir, is_main = cfg.train, cfg.checkpoint.dir, xr.process_index() == 0
 
     # Every host builds the whole global batch (deterministic); each device keeps its slice of the batch dim.
-    tokenizer, data = build_batches(cfg.data, t.seed, t.global_batch_size, t.micro_batch_size, dp_rank=0,
-                                    dp_size=1, is_main=is_main)
+    tokenizer, data = build_batches(
+        cfg.data, t.seed, t.global_batch_size, t.micro_batch_size, dp_rank=0, dp_size=1, is_main=is_main
+    )
     model = build_model(cfg)
     if len(tokenizer) > model.config.vocab_size:
-        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but model vocab_size is "
-                          f"{model.config.vocab_size}; set model.config.vocab_size >= {len(tokenizer)}")
+        raise ConfigError(
+            f"the tokenizer has {len(tokenizer)} tokens but model vocab_size is "
+            f"{model.config.vocab_size}; set model.config.vocab_size >= {len(tokenizer)}"
+        )
     num_params = sum(p.numel() for p in model.parameters())
     num_embed = model.get_input_embeddings().weight.numel()
     wrapped, checkpointed = wrap_plan(model, cfg.fsdp, cfg.fsdp.xla_fsdp_grad_ckpt)
@@ -291,9 +346,14 @@ def main(argv: list[str] | None = None) -> None:
         return FSDPv2(checkpoint_module(module) if module in checkpointed else module, *args, **kwargs)
 
     # FSDPv2 moves the model to the XLA devices and marks every parameter sharded over `fsdp`.
-    model = FSDPv2(model, mesh=mesh, shard_output=shard_output, auto_wrapper_callable=wrap_unit,
-                   auto_wrap_policy=lambda *a, **kw: lambda_auto_wrap_policy(*a, **kw, lambda_fn=wrapped.__contains__),
-                   **settings)
+    model = FSDPv2(
+        model,
+        mesh=mesh,
+        shard_output=shard_output,
+        auto_wrapper_callable=wrap_unit,
+        auto_wrap_policy=lambda *a, **kw: lambda_auto_wrap_policy(*a, **kw, lambda_fn=wrapped.__contains__),
+        **settings,
+    )
     optimizer = build_optimizer(model, cfg, torch_xla.device())  # foreach AdamW on the XLA tensors
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
     resume_from = find_resume_checkpoint(run_dir, cfg.checkpoint.resume)
@@ -303,35 +363,76 @@ def main(argv: list[str] | None = None) -> None:
         data.load_state_dict(state["data"], 0)
         start_step, samples = state["step"], state["samples"]
 
-    timer = StepTimer(t.steps, flops_per_token(num_params, num_embed, model.module.config.num_hidden_layers,
-                                               model.module.config.hidden_size, cfg.data.seq_len), None, num_devices)
+    timer = StepTimer(
+        t.steps,
+        flops_per_token(
+            num_params,
+            num_embed,
+            model.module.config.num_hidden_layers,
+            model.module.config.hidden_size,
+            cfg.data.seq_len,
+        ),
+        None,
+        num_devices,
+    )
     logger = MetricsLogger(run_dir, is_main, cfg.metrics.tensorboard)
     if is_main:
         with open(os.path.join(run_dir, "run_config.json"), "w") as f:
             json.dump(to_dict(cfg), f, indent=2)
-    logger.log({"event": "model_ready", "params": num_params, "fsdp_units": len(wrapped) + 1,
-                "checkpointed_layers": len(checkpointed), "devices": num_devices, "device": str(torch_xla.device()),
-                "compute_dtype": str(compute_dtype), "resumed_from": resume_from, "start_step": start_step})
+    logger.log(
+        {
+            "event": "model_ready",
+            "params": num_params,
+            "fsdp_units": len(wrapped) + 1,
+            "checkpointed_layers": len(checkpointed),
+            "devices": num_devices,
+            "device": str(torch_xla.device()),
+            "compute_dtype": str(compute_dtype),
+            "resumed_from": resume_from,
+            "start_step": start_step,
+        }
+    )
 
     for step in range(start_step + 1, t.steps + 1):
         micro_batches = data.micro_batches(samples)
-        loss, grad_norm, tokens = train_step(model, optimizer, micro_batches, mesh, compute_dtype, t.max_grad_norm)
+        loss, grad_norm, tokens = train_step(
+            model, optimizer, micro_batches, mesh, compute_dtype, t.max_grad_norm
+        )
         samples += t.global_batch_size
         if not np.isfinite(loss):
-            raise SystemExit(f"loss is {loss} at step {step}; stopping without saving, the last checkpoint is intact")
+            raise SystemExit(
+                f"loss is {loss} at step {step}; stopping without saving, the last checkpoint is intact"
+            )
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         if step % cfg.metrics.log_every == 0 or step == t.steps:
-            logger.log({"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
-                        "samples": samples, **timer.record(step - start_step, tokens),
-                        "peak_host_mem_gib": peak_memory_bytes(torch.device("cpu")) / 2**30})
+            logger.log(
+                {
+                    "step": step,
+                    "loss": loss,
+                    "grad_norm": grad_norm,
+                    "lr": lr,
+                    "tokens": tokens,
+                    "samples": samples,
+                    **timer.record(step - start_step, tokens),
+                    "peak_host_mem_gib": peak_memory_bytes(torch.device("cpu")) / 2**30,
+                }
+            )
         else:
             timer.tokens_since += tokens
         stopping = t.stop_after and step - start_step >= t.stop_after
         if (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0) or step == t.steps or stopping:
-            train_state = {"step": step, "samples": samples, "devices": num_devices, "loss": loss,
-                           "scheduler": scheduler.state_dict(), "data": [data.state_dict()]}
-            path = save_checkpoint(run_dir, step, model, optimizer, train_state, cfg.checkpoint.keep_latest, tokenizer)
+            train_state = {
+                "step": step,
+                "samples": samples,
+                "devices": num_devices,
+                "loss": loss,
+                "scheduler": scheduler.state_dict(),
+                "data": [data.state_dict()],
+            }
+            path = save_checkpoint(
+                run_dir, step, model, optimizer, train_state, cfg.checkpoint.keep_latest, tokenizer
+            )
             logger.log({"event": "checkpoint", "step": step, "path": path})
         if stopping and step < t.steps:
             logger.log({"event": "stopped", "step": step, "reason": "train.stop_after"})
@@ -340,7 +441,9 @@ def main(argv: list[str] | None = None) -> None:
 
     batch = data.fixed_batch(t.micro_batch_size)  # the check pretrain_fsdp.py logs, for the export to match
     with torch.no_grad():
-        fixed_loss = token_loss_sum(model, batch, mesh, compute_dtype).item() / int((batch.labels != -100).sum())
+        fixed_loss = token_loss_sum(model, batch, mesh, compute_dtype).item() / int(
+            (batch.labels != -100).sum()
+        )
     logger.log({"event": "final", "fixed_batch_loss": fixed_loss})
     if cfg.checkpoint.export:
         path = export(model, cfg, tokenizer, compute_dtype)

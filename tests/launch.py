@@ -22,14 +22,27 @@ def free_port() -> int:
 
 def env(**extra: str) -> dict:
     """Offline, unbuffered, one thread each; faulthandler prints every Python thread's stack on a crash."""
-    out = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    out = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        PYTHONFAULTHANDLER="1",
+    )
     out.update(extra)
     return out
 
 
-def run(script: str, args: list[str], nproc: int = 1, timeout: int = 300, check: bool = True,
-        extra_env: dict | None = None, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+def run(
+    script: str,
+    args: list[str],
+    nproc: int = 1,
+    timeout: int = 300,
+    check: bool = True,
+    extra_env: dict | None = None,
+    launcher: list[str] | None = None,
+) -> subprocess.CompletedProcess:
     """nproc == 0 runs plain `python`; otherwise `torchrun --standalone --nproc_per_node nproc`."""
     path = os.path.join(REPO, "scripts", script)
     if launcher is not None:
@@ -37,15 +50,32 @@ def run(script: str, args: list[str], nproc: int = 1, timeout: int = 300, check:
     elif nproc == 0:
         cmd = [sys.executable, path, *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", path, *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env(**(extra_env or {})), capture_output=True, text=True, timeout=timeout)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            path,
+            *args,
+        ]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env(**(extra_env or {})), capture_output=True, text=True, timeout=timeout
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
 def pretrain(run_dir, *overrides: str, nproc: int = 2, config: str = TINY, **kwargs) -> list[dict]:
-    run("pretrain_fsdp.py", ["--config", config, f"checkpoint.dir={run_dir}", *overrides], nproc=nproc, **kwargs)
+    run(
+        "pretrain_fsdp.py",
+        ["--config", config, f"checkpoint.dir={run_dir}", *overrides],
+        nproc=nproc,
+        **kwargs,
+    )
     return read_metrics(run_dir)
 
 

@@ -7,14 +7,16 @@ import time
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from launch import REPO, TINY, env, event, free_port, losses, pretrain, read_metrics, run, steps
 from safetensors.torch import load_file
 
 from common.checkpoint import find_resume_checkpoint
+from launch import REPO, TINY, env, event, free_port, losses, pretrain, read_metrics, run, steps
 
 STEPS = 20
 CKPT = [f"train.steps={STEPS}", "checkpoint.interval=5"]
-RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # restarted gloo workers otherwise read stale store addresses
+RESTART_ENV = {
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"
+}  # restarted gloo workers otherwise read stale store addresses
 
 
 def weights(run_dir) -> dict:
@@ -56,7 +58,9 @@ def test_resume_on_another_world_size_neither_repeats_nor_skips_samples(tmp_path
     common = ["train.steps=8", "checkpoint.interval=2", "metrics.sample_ids=true", "train.micro_batch_size=2"]
     before = pretrain(tmp_path, *common, "train.stop_after=4", nproc=first)
     after = read_metrics_after(tmp_path, lambda: pretrain(tmp_path, *common, nproc=second))
-    assert event(after, "model_ready")["world_size"] == second and event(after, "model_ready")["start_step"] == 4
+    assert (
+        event(after, "model_ready")["world_size"] == second and event(after, "model_ready")["start_step"] == 4
+    )
     records = steps(before + after)
     assert [r["step"] for r in records] == list(range(1, 9))
     for r in records:
@@ -69,10 +73,21 @@ def test_resume_on_another_world_size_neither_repeats_nor_skips_samples(tmp_path
 
 def test_torchrun_restarts_a_killed_worker_and_ends_bit_identical(tmp_path, straight):
     ref_dir, ref = straight
-    run("pretrain_fsdp.py", ["--config", TINY, f"checkpoint.dir={tmp_path}", *CKPT], nproc=2,
-        launcher=["torchrun", "--nnodes=1", "--nproc_per_node=2", "--max_restarts=1", "--rdzv_backend=c10d",
-                  "--rdzv_endpoint=localhost:0", "--rdzv_id=restart-test"],
-        extra_env={**RESTART_ENV, "FSDP2_RECIPES_FAULT": "kill@13:1"})
+    run(
+        "pretrain_fsdp.py",
+        ["--config", TINY, f"checkpoint.dir={tmp_path}", *CKPT],
+        nproc=2,
+        launcher=[
+            "torchrun",
+            "--nnodes=1",
+            "--nproc_per_node=2",
+            "--max_restarts=1",
+            "--rdzv_backend=c10d",
+            "--rdzv_endpoint=localhost:0",
+            "--rdzv_id=restart-test",
+        ],
+        extra_env={**RESTART_ENV, "FSDP2_RECIPES_FAULT": "kill@13:1"},
+    )
     records = read_metrics(tmp_path)
     starts = [r for r in records if r.get("event") == "model_ready"]
     assert [r["start_step"] for r in starts] == [0, 10]  # killed at step 13, restarted from step-10
@@ -82,8 +97,13 @@ def test_torchrun_restarts_a_killed_worker_and_ends_bit_identical(tmp_path, stra
 
 def test_a_crash_inside_a_checkpoint_write_leaves_the_previous_one_intact(tmp_path, straight):
     ref_dir, _ = straight
-    crashed = run("pretrain_fsdp.py", ["--config", TINY, f"checkpoint.dir={tmp_path}", *CKPT], nproc=2, check=False,
-                  extra_env={"FSDP2_RECIPES_FAULT": "save@10:0"})
+    crashed = run(
+        "pretrain_fsdp.py",
+        ["--config", TINY, f"checkpoint.dir={tmp_path}", *CKPT],
+        nproc=2,
+        check=False,
+        extra_env={"FSDP2_RECIPES_FAULT": "save@10:0"},
+    )
     assert crashed.returncode != 0
     names = sorted(os.listdir(tmp_path / "checkpoints"))
     assert names == ["step-10.tmp", "step-5"]
@@ -95,8 +115,13 @@ def test_a_crash_inside_a_checkpoint_write_leaves_the_previous_one_intact(tmp_pa
 
 
 def test_nan_loss_stops_with_a_message_and_keeps_good_checkpoints(tmp_path):
-    proc = run("pretrain_fsdp.py", ["--config", TINY, f"checkpoint.dir={tmp_path}", *CKPT], nproc=2, check=False,
-               extra_env={"FSDP2_RECIPES_FAULT": "nan@15"})
+    proc = run(
+        "pretrain_fsdp.py",
+        ["--config", TINY, f"checkpoint.dir={tmp_path}", *CKPT],
+        nproc=2,
+        check=False,
+        extra_env={"FSDP2_RECIPES_FAULT": "nan@15"},
+    )
     assert proc.returncode != 0
     assert "loss is nan at step 15; stopping without saving" in proc.stderr
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-10", "step-5"]
@@ -105,9 +130,14 @@ def test_nan_loss_stops_with_a_message_and_keeps_good_checkpoints(tmp_path):
 
 def test_a_hung_rank_ends_the_job_within_the_collective_timeout(tmp_path):
     start = time.monotonic()
-    proc = run("pretrain_fsdp.py", ["--config", TINY, f"checkpoint.dir={tmp_path}", "train.steps=6",
-                                    "parallelism.timeout_minutes=0.1"], nproc=2, check=False, timeout=240,
-               extra_env={"FSDP2_RECIPES_FAULT": "hang@3:1"})
+    proc = run(
+        "pretrain_fsdp.py",
+        ["--config", TINY, f"checkpoint.dir={tmp_path}", "train.steps=6", "parallelism.timeout_minutes=0.1"],
+        nproc=2,
+        check=False,
+        timeout=240,
+        extra_env={"FSDP2_RECIPES_FAULT": "hang@3:1"},
+    )
     assert proc.returncode != 0
     assert time.monotonic() - start < 120
     assert "timed out" in proc.stderr.lower() or "timeout" in proc.stderr.lower()
@@ -115,14 +145,31 @@ def test_a_hung_rank_ends_the_job_within_the_collective_timeout(tmp_path):
 
 def test_checkpoints_of_another_model_are_refused_with_a_clear_message(tmp_path):
     pretrain(tmp_path, "train.steps=2", "checkpoint.export=false")
-    # Two plain processes, not torchrun: torchrun stops the others when the first rank exits, and this test must
+    # Two plain processes, not torchrun: torchrun stops the others when the first rank exits, and this test
+    # must
     # see every rank refuse the checkpoint by itself.
-    cmd = [sys.executable, os.path.join(REPO, "scripts", "pretrain_fsdp.py"), "--config", TINY,
-           f"checkpoint.dir={tmp_path}", "train.steps=4", "model.config.hidden_size=32"]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "scripts", "pretrain_fsdp.py"),
+        "--config",
+        TINY,
+        f"checkpoint.dir={tmp_path}",
+        "train.steps=4",
+        "model.config.hidden_size=32",
+    ]
     port = str(free_port())
-    ranks = [subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True,
-                              env=env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                      MASTER_PORT=port)) for r in range(2)]
+    ranks = [
+        subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env(
+                RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port
+            ),
+        )
+        for r in range(2)
+    ]
     try:
         for r, rank in enumerate(ranks):
             stderr = rank.communicate(timeout=300)[1]

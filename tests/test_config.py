@@ -6,20 +6,23 @@ import re
 
 import pytest
 import yaml
-from launch import REPO, TINY, event, free_port, pretrain, read_metrics, run
 
 from common.config import ConfigError, load_config, run_cli
+from launch import REPO, TINY, event, free_port, pretrain, read_metrics, run
 
 pretrain_script = None
 
 
 def cli():
-    """scripts/pretrain_fsdp.py run as its command line does, in-process (errors come before any process group)."""
+    """scripts/pretrain_fsdp.py run as its command line does, in-process (errors come before any process
+    group)."""
     global pretrain_script
     if pretrain_script is None:
         import importlib.util
 
-        spec = importlib.util.spec_from_file_location("pretrain_fsdp", os.path.join(REPO, "scripts", "pretrain_fsdp.py"))
+        spec = importlib.util.spec_from_file_location(
+            "pretrain_fsdp", os.path.join(REPO, "scripts", "pretrain_fsdp.py")
+        )
         pretrain_script = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(pretrain_script)
     return lambda argv: run_cli(pretrain_script.main, argv)
@@ -28,7 +31,12 @@ def cli():
 def test_transformers_docs_fsdp_config_is_taken_unchanged():
     cfg = load_config(TINY, fsdp_config=os.path.join(REPO, "configs", "fsdp", "transformers_doc.json"))
     f = cfg.fsdp
-    assert (f.version, f.reshard_after_forward, f.cpu_offload, f.auto_wrap_policy) == (2, True, False, "TRANSFORMER_BASED_WRAP")
+    assert (f.version, f.reshard_after_forward, f.cpu_offload, f.auto_wrap_policy) == (
+        2,
+        True,
+        False,
+        "TRANSFORMER_BASED_WRAP",
+    )
     assert f.transformer_layer_cls_to_wrap == ["LlamaDecoderLayer"] and f.state_dict_type == "FULL_STATE_DICT"
     assert f.cpu_ram_efficient_loading is True and f.activation_checkpointing is True
 
@@ -48,20 +56,36 @@ def test_fsdp_prefixed_keys_and_accelerate_yaml_map_offload_params(tmp_path):
 
 
 def test_accelerate_parallelism_config_block_is_honoured_never_ignored(tmp_path):
-    block = {"parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": 2,
-             "parallelism_config_cp_size": 2, "parallelism_config_cp_comm_strategy": "alltoall",
-             "parallelism_config_cp_backend": "torch"}
+    block = {
+        "parallelism_config_dp_replicate_size": 1,
+        "parallelism_config_dp_shard_size": 2,
+        "parallelism_config_cp_size": 2,
+        "parallelism_config_cp_comm_strategy": "alltoall",
+        "parallelism_config_cp_backend": "torch",
+    }
     acc = tmp_path / "acc.yaml"
-    acc.write_text(yaml.safe_dump({"distributed_type": "FSDP", "fsdp_config": {}, "parallelism_config": block}))
+    acc.write_text(
+        yaml.safe_dump({"distributed_type": "FSDP", "fsdp_config": {}, "parallelism_config": block})
+    )
     p = load_config(TINY, accelerate_config=str(acc)).parallelism
     assert (p.dp_shard_size, p.cp_size, p.cp_comm_strategy) == (2, 2, "alltoall")
-    env = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_CP_SIZE": "4",
-           "PARALLELISM_CONFIG_SP_SIZE": "1", "PARALLELISM_CONFIG_SP_BACKEND": "deepspeed"}
+    env = {
+        "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+        "PARALLELISM_CONFIG_CP_SIZE": "4",
+        "PARALLELISM_CONFIG_SP_SIZE": "1",
+        "PARALLELISM_CONFIG_SP_BACKEND": "deepspeed",
+    }
     assert load_config(TINY, environ=env).parallelism.cp_size == 4
-    with pytest.raises(ConfigError, match=r"parallelism.cp_size is 1 in .* \(parallelism\) but 2 in .*acc.yaml"):
-        _with_json_cp(tmp_path, acc)  # the run config says cp_size=1, the Accelerate file 2: neither silently wins
-    for bad, message in [({"parallelism_config_cp_backend": "deepspeed"}, "is not supported; only 'torch'"),
-                         ({"parallelism_config_cp_sizes": 2}, "did you mean 'cp_size'")]:
+    with pytest.raises(
+        ConfigError, match=r"parallelism.cp_size is 1 in .* \(parallelism\) but 2 in .*acc.yaml"
+    ):
+        _with_json_cp(
+            tmp_path, acc
+        )  # the run config says cp_size=1, the Accelerate file 2: neither silently wins
+    for bad, message in [
+        ({"parallelism_config_cp_backend": "deepspeed"}, "is not supported; only 'torch'"),
+        ({"parallelism_config_cp_sizes": 2}, "did you mean 'cp_size'"),
+    ]:
         acc.write_text(yaml.safe_dump({"distributed_type": "FSDP", "parallelism_config": bad}))
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_config(TINY, accelerate_config=str(acc))
@@ -75,16 +99,36 @@ def _with_json_cp(tmp_path, acc):
 
 
 def test_accelerate_launch_environment_is_honoured():
-    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true",
-           "FSDP_RESHARD_AFTER_FORWARD": "false", "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP",
-           "FSDP_MIN_NUM_PARAMS": "1000", "FSDP_SHARDING_STRATEGY": "FULL_SHARD", "ACCELERATE_MIXED_PRECISION": "no"}
+    env = {
+        "ACCELERATE_USE_FSDP": "true",
+        "FSDP_VERSION": "2",
+        "FSDP_OFFLOAD_PARAMS": "true",
+        "FSDP_RESHARD_AFTER_FORWARD": "false",
+        "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP",
+        "FSDP_MIN_NUM_PARAMS": "1000",
+        "FSDP_SHARDING_STRATEGY": "FULL_SHARD",
+        "ACCELERATE_MIXED_PRECISION": "no",
+    }
     f = load_config(TINY, environ=env).fsdp
-    assert (f.cpu_offload, f.reshard_after_forward, f.auto_wrap_policy, f.min_num_params) == (True, False, "SIZE_BASED_WRAP", 1000)
+    assert (f.cpu_offload, f.reshard_after_forward, f.auto_wrap_policy, f.min_num_params) == (
+        True,
+        False,
+        "SIZE_BASED_WRAP",
+        1000,
+    )
 
 
 def test_overrides_reach_nested_keys():
-    cfg = load_config(TINY, ["train.steps=7", "fsdp.reshard_after_forward=2", "model.config.num_hidden_layers=3",
-                             "data.dataset=/data/*.jsonl", 'train.betas=[0.8, 0.9]'])
+    cfg = load_config(
+        TINY,
+        [
+            "train.steps=7",
+            "fsdp.reshard_after_forward=2",
+            "model.config.num_hidden_layers=3",
+            "data.dataset=/data/*.jsonl",
+            "train.betas=[0.8, 0.9]",
+        ],
+    )
     assert cfg.train.steps == 7 and cfg.fsdp.reshard_after_forward == 2
     assert cfg.model.config["num_hidden_layers"] == 3 and cfg.data.dataset == "/data/*.jsonl"
     assert cfg.train.betas == [0.8, 0.9]
@@ -100,22 +144,42 @@ BAD_INPUTS = {
     "unknown_section": (["trian.steps=3"], "did you mean 'train'"),
     "unknown_key": (["train.stpes=3"], "did you mean 'steps'"),
     "fsdp1": (["fsdp.version=1"], "fsdp.version is 1; FSDP1 is not supported"),
-    "wrap_policy": (["fsdp.auto_wrap_policy=TRANSFORMER_WRAP"], "fsdp.auto_wrap_policy is 'TRANSFORMER_WRAP'"),
-    "size_wrap_zero": (["fsdp.auto_wrap_policy=SIZE_BASED_WRAP", "fsdp.min_num_params=0"], "fsdp.min_num_params is 0"),
-    "ac_and_gc": (["fsdp.activation_checkpointing=true", "train.gradient_checkpointing=true"],
-                  "fsdp.activation_checkpointing and train.gradient_checkpointing are both true"),
-    "state_dict_type": (["fsdp.state_dict_type=LOCAL_STATE_DICT"], "fsdp.state_dict_type is 'LOCAL_STATE_DICT'"),
+    "wrap_policy": (
+        ["fsdp.auto_wrap_policy=TRANSFORMER_WRAP"],
+        "fsdp.auto_wrap_policy is 'TRANSFORMER_WRAP'",
+    ),
+    "size_wrap_zero": (
+        ["fsdp.auto_wrap_policy=SIZE_BASED_WRAP", "fsdp.min_num_params=0"],
+        "fsdp.min_num_params is 0",
+    ),
+    "ac_and_gc": (
+        ["fsdp.activation_checkpointing=true", "train.gradient_checkpointing=true"],
+        "fsdp.activation_checkpointing and train.gradient_checkpointing are both true",
+    ),
+    "state_dict_type": (
+        ["fsdp.state_dict_type=LOCAL_STATE_DICT"],
+        "fsdp.state_dict_type is 'LOCAL_STATE_DICT'",
+    ),
     "fp16": (["fsdp.mixed_precision=fp16"], "needs loss scaling"),
     "micro_batch": (["train.micro_batch_size=0"], "train.micro_batch_size is 0"),
-    "batch_divisibility": (["train.global_batch_size=10", "train.micro_batch_size=4"], "make it a multiple of 4"),
+    "batch_divisibility": (
+        ["train.global_batch_size=10", "train.micro_batch_size=4"],
+        "make it a multiple of 4",
+    ),
     "mesh": (["parallelism.dp_replicate_size=2"], "does not cover the world size 1"),
     "tp_in_pretrain": (["parallelism.tp_size=2"], "parallelism.tp_size is 2"),
-    "layer_class": (['fsdp.transformer_layer_cls_to_wrap=["LlamaBlock"]'], "its classes are:.*LlamaDecoderLayer"),
+    "layer_class": (
+        ['fsdp.transformer_layer_cls_to_wrap=["LlamaBlock"]'],
+        "its classes are:.*LlamaDecoderLayer",
+    ),
     "override_syntax": (["train.steps"], "is not key.path=value"),
     "lr": (["train.lr=-1"], "train.lr is -1"),
     "reshard_type": (['fsdp.reshard_after_forward="yes"'], "fsdp.reshard_after_forward is 'yes'"),
     "cp_and_sp": (["parallelism.cp_size=2", "parallelism.sp_size=2"], "pick one"),
-    "missing_checkpoint": (["model.name_or_path=/nonexistent/llama", "model.config={}"], "model.name_or_path '/nonexistent/llama'"),
+    "missing_checkpoint": (
+        ["model.name_or_path=/nonexistent/llama", "model.config={}"],
+        "model.name_or_path '/nonexistent/llama'",
+    ),
     "both_model_sources": (["model.name_or_path=/some/dir"], "set model.config={}"),
     "seq_len": (["data.seq_len=1"], "data.seq_len is 1"),
 }
@@ -138,12 +202,34 @@ def test_bad_files_are_one_line_and_exit_2(tmp_path, capsys):
     cases = [
         (["--config", str(tmp_path / "missing.json")], "does not exist"),
         (["--config", write(tmp_path, "bad.json", "{not json")], "is not valid JSON"),
-        (["--config", TINY, "--fsdp-config", write(tmp_path, "f1.json", {"sharding_strategy": "FULL_SHARD"})],
-         "FSDP1 option with no FSDP2 meaning"),
-        (["--config", TINY, "--fsdp-config", write(tmp_path, "f2.json", {"reshard_after_forward": False}),
-          "--accelerate-config", write(tmp_path, "a.yaml", "distributed_type: FSDP\nfsdp_config:\n  fsdp_reshard_after_forward: true\n")],
-         "give it in one place only"),
-        (["--config", TINY, "--fsdp-config", write(tmp_path, "f3.json", {"cpu_offlaod": True})], "did you mean 'cpu_offload'"),
+        (
+            [
+                "--config",
+                TINY,
+                "--fsdp-config",
+                write(tmp_path, "f1.json", {"sharding_strategy": "FULL_SHARD"}),
+            ],
+            "FSDP1 option with no FSDP2 meaning",
+        ),
+        (
+            [
+                "--config",
+                TINY,
+                "--fsdp-config",
+                write(tmp_path, "f2.json", {"reshard_after_forward": False}),
+                "--accelerate-config",
+                write(
+                    tmp_path,
+                    "a.yaml",
+                    "distributed_type: FSDP\nfsdp_config:\n  fsdp_reshard_after_forward: true\n",
+                ),
+            ],
+            "give it in one place only",
+        ),
+        (
+            ["--config", TINY, "--fsdp-config", write(tmp_path, "f3.json", {"cpu_offlaod": True})],
+            "did you mean 'cpu_offload'",
+        ),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exit_info:
@@ -153,41 +239,78 @@ def test_bad_files_are_one_line_and_exit_2(tmp_path, capsys):
 
 
 def test_bad_input_under_python_and_torchrun_prints_one_line_per_rank(tmp_path):
-    single = run("pretrain_fsdp.py", ["--config", TINY, f"checkpoint.dir={tmp_path}/a", "fsdp.version=1"], nproc=0, check=False)
+    single = run(
+        "pretrain_fsdp.py",
+        ["--config", TINY, f"checkpoint.dir={tmp_path}/a", "fsdp.version=1"],
+        nproc=0,
+        check=False,
+    )
     assert single.returncode == 2 and single.stderr.strip().splitlines() == [
-        "config error: fsdp.version is 1; FSDP1 is not supported, set it to 2 (fully_shard)"]
-    multi = run("pretrain_fsdp.py", ["--config", TINY, f"checkpoint.dir={tmp_path}/b", "fsdp.version=1"], nproc=2, check=False)
+        "config error: fsdp.version is 1; FSDP1 is not supported, set it to 2 (fully_shard)"
+    ]
+    multi = run(
+        "pretrain_fsdp.py",
+        ["--config", TINY, f"checkpoint.dir={tmp_path}/b", "fsdp.version=1"],
+        nproc=2,
+        check=False,
+    )
     assert multi.returncode != 0
-    lines = [l for l in multi.stderr.splitlines() if "config error:" in l]
-    assert sorted(l.split("config error:")[0].strip()[-7:] for l in lines) == ["[rank0]", "[rank1]"], multi.stderr
+    lines = [line for line in multi.stderr.splitlines() if "config error:" in line]
+    assert sorted(line.split("config error:")[0].strip()[-7:] for line in lines) == ["[rank0]", "[rank1]"], (
+        multi.stderr
+    )
     # The workers print no traceback; the only one is torchrun's own ChildFailedError report.
     assert multi.stderr.count("Traceback") == 1 and "ChildFailedError" in multi.stderr
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 def test_llama_json_offline_fails_with_a_clear_message():
-    proc = run("pretrain_fsdp.py", ["--config", os.path.join(REPO, "configs", "llama.json")], nproc=0, check=False,
-               extra_env={"HF_HUB_OFFLINE": "1"})
+    proc = run(
+        "pretrain_fsdp.py",
+        ["--config", os.path.join(REPO, "configs", "llama.json")],
+        nproc=0,
+        check=False,
+        extra_env={"HF_HUB_OFFLINE": "1"},
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith("config error: data.tokenizer 'meta-llama/Llama-3.1-8B'")
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith("config error: data.tokenizer 'meta-llama/Llama-3.1-8B'")
+    )
 
 
 def test_transformers_doc_fsdp_config_runs_for_real(tmp_path):
-    records = pretrain(tmp_path, "train.steps=2", "--fsdp-config", os.path.join(REPO, "configs", "fsdp", "transformers_doc.json"))
+    records = pretrain(
+        tmp_path,
+        "train.steps=2",
+        "--fsdp-config",
+        os.path.join(REPO, "configs", "fsdp", "transformers_doc.json"),
+    )
     resolved = json.load(open(tmp_path / "run_config.json"))["fsdp"]
-    assert resolved["activation_checkpointing"] is True and resolved["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
+    assert resolved["activation_checkpointing"] is True and resolved["transformer_layer_cls_to_wrap"] == [
+        "LlamaDecoderLayer"
+    ]
     assert event(records, "model_ready")["world_size"] == 2
 
 
 def test_accelerate_launch_runs_fsdp2_on_two_cpu_processes(tmp_path):
     doc = yaml.safe_load(open(os.path.join(REPO, "configs", "fsdp", "accelerate_fsdp2.yaml")))
-    doc["fsdp_config"].update(fsdp_offload_params=True, fsdp_reshard_after_forward=False, fsdp_state_dict_type="SHARDED_STATE_DICT")
+    doc["fsdp_config"].update(
+        fsdp_offload_params=True, fsdp_reshard_after_forward=False, fsdp_state_dict_type="SHARDED_STATE_DICT"
+    )
     acc = tmp_path / "default_config.yaml"
     acc.write_text(yaml.safe_dump(doc))
-    run("pretrain_fsdp.py", ["--config", TINY, f"checkpoint.dir={tmp_path}/run", "train.steps=2"],
-        launcher=["accelerate", "launch", "--config_file", str(acc), "--main_process_port", str(free_port())])
+    run(
+        "pretrain_fsdp.py",
+        ["--config", TINY, f"checkpoint.dir={tmp_path}/run", "train.steps=2"],
+        launcher=["accelerate", "launch", "--config_file", str(acc), "--main_process_port", str(free_port())],
+    )
     records = read_metrics(tmp_path / "run")
     assert event(records, "model_ready")["world_size"] == 2
     resolved = json.load(open(tmp_path / "run" / "run_config.json"))["fsdp"]
     assert resolved["cpu_offload"] is True and resolved["reshard_after_forward"] is False
-    assert sorted(f for f in os.listdir(tmp_path / "run" / "export") if f.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert sorted(f for f in os.listdir(tmp_path / "run" / "export") if f.endswith(".distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]

@@ -5,10 +5,17 @@ import json
 import numpy as np
 import pytest
 import torch
-from launch import losses, pretrain
 
 from common.config import DataConfig
-from common.data import PAD, LocalBatches, StreamingBatches, ensure_embedded_tokenizer, load_tokenizer, prepare_local_data
+from common.data import (
+    PAD,
+    LocalBatches,
+    StreamingBatches,
+    ensure_embedded_tokenizer,
+    load_tokenizer,
+    prepare_local_data,
+)
+from launch import losses, pretrain
 
 DOCS = [f"def function_{i}(x):\n    return x * {i} + {i * i}\n" * (5 + i % 7) for i in range(60)]
 
@@ -29,7 +36,9 @@ def write_docs(tmp_path, fmt: str) -> str:
 
 
 def data_cfg(tmp_path, seq_len: int = 32, **kwargs) -> DataConfig:
-    cfg = DataConfig(seq_len=seq_len, embedded_max_bytes=1_000_000, cache_dir=str(tmp_path / "cache"), **kwargs)
+    cfg = DataConfig(
+        seq_len=seq_len, embedded_max_bytes=1_000_000, cache_dir=str(tmp_path / "cache"), **kwargs
+    )
     ensure_embedded_tokenizer(cfg, is_main=True)
     return cfg
 
@@ -40,9 +49,14 @@ def test_local_files_are_packed_with_eos_between_documents(tmp_path, fmt):
     rows = np.load(prepare_local_data(cfg, is_main=True))
     tokenizer = load_tokenizer(cfg)
     texts = DOCS if fmt != "txt" else [d.replace("\n", " ") for d in DOCS]
-    stream = [t for text in texts for t in tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]]
+    stream = [
+        t
+        for text in texts
+        for t in tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    ]
     assert rows.shape[1] == 33
-    # Rows overlap by one token (the last target of a row is the first input of the next) and cover the stream.
+    # Rows overlap by one token (the last target of a row is the first input of the next) and cover the
+    # stream.
     np.testing.assert_array_equal(rows[:, 1:].reshape(-1), stream[1 : 1 + rows.shape[0] * 32])
     np.testing.assert_array_equal(rows[1:, 0], rows[:-1, -1])
 
@@ -52,7 +66,9 @@ def test_unpacked_documents_are_padded_and_padding_is_never_a_target(tmp_path):
     path = prepare_local_data(cfg, is_main=True)
     rows = np.load(path)
     assert len(rows) == len(DOCS) and (rows == PAD).any() and (rows != PAD).all(axis=1).any()
-    batch = LocalBatches(path, pad_id=7, seed=0, global_batch=4, micro_batch=4, dp_rank=0, dp_size=1).fixed_batch(len(rows))
+    batch = LocalBatches(
+        path, pad_id=7, seed=0, global_batch=4, micro_batch=4, dp_rank=0, dp_size=1
+    ).fixed_batch(len(rows))
     assert (batch.input_ids[torch.from_numpy(rows[:, :-1] == PAD)] == 7).all()
     assert torch.equal(batch.labels == -100, torch.from_numpy(rows[:, 1:] == PAD))
 
@@ -65,7 +81,9 @@ def test_each_step_uses_the_same_global_samples_whatever_the_world_size(tmp_path
         for step in (0, 3):
             seen, inputs = [], []
             for rank in range(dp_size):
-                batches = LocalBatches(path, 0, 0, global_batch=8, micro_batch=2, dp_rank=rank, dp_size=dp_size)
+                batches = LocalBatches(
+                    path, 0, 0, global_batch=8, micro_batch=2, dp_rank=rank, dp_size=dp_size
+                )
                 for b in batches.micro_batches(step * 8):
                     seen += b.sample_ids
                     inputs += [row.tolist() for row in b.input_ids]
@@ -76,7 +94,10 @@ def test_each_step_uses_the_same_global_samples_whatever_the_world_size(tmp_path
 def test_streaming_gives_each_rank_its_own_part(tmp_path):
     cfg = data_cfg(tmp_path, dataset=write_docs(tmp_path, "jsonl"), streaming=True)
     tokenizer = load_tokenizer(cfg)
-    first = [StreamingBatches(cfg, tokenizer, 4, 2, rank, 2).micro_batches(0)[0].input_ids[0].tolist() for rank in (0, 1)]
+    first = [
+        StreamingBatches(cfg, tokenizer, 4, 2, rank, 2).micro_batches(0)[0].input_ids[0].tolist()
+        for rank in (0, 1)
+    ]
     expected = [tokenizer(DOCS[rank], add_special_tokens=False)["input_ids"][:32] for rank in (0, 1)]
     assert first == expected  # rank r starts at document r: the stream is split across ranks
 
@@ -84,7 +105,12 @@ def test_streaming_gives_each_rank_its_own_part(tmp_path):
 def test_training_on_local_jsonl_and_streamed_jsonl(tmp_path):
     path = write_docs(tmp_path, "jsonl")
     local = pretrain(tmp_path / "local", "train.steps=3", f"data.dataset={path}", "checkpoint.export=false")
-    streamed = pretrain(tmp_path / "stream", "train.steps=3", f"data.dataset={path}", "data.streaming=true",
-                        "checkpoint.export=false")
+    streamed = pretrain(
+        tmp_path / "stream",
+        "train.steps=3",
+        f"data.dataset={path}",
+        "data.streaming=true",
+        "checkpoint.export=false",
+    )
     assert len(losses(local)) == 3 and len(losses(streamed)) == 3
     assert all(np.isfinite(losses(local) + losses(streamed)))

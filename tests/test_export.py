@@ -5,18 +5,22 @@ import os
 
 import pytest
 import torch
-from launch import event, pretrain
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from common.config import DataConfig
 from common.data import LocalBatches, load_tokenizer, prepare_local_data
+from launch import event, pretrain
 
 
 def fixed_batch_loss_of(model, config_overrides: dict) -> float:
     """Rebuild the script's fixed batch (the first rows of the cached data) and score `model` on it."""
     data_cfg = DataConfig(seq_len=64, embedded_max_bytes=1_000_000, **config_overrides)
-    tokenizer = load_tokenizer(data_cfg) if os.path.exists(prepare_local_data(data_cfg, is_main=False)) else None
-    batch = LocalBatches(prepare_local_data(data_cfg, is_main=False), tokenizer.pad_token_id, 0, 8, 2, 0, 1).fixed_batch(2)
+    tokenizer = (
+        load_tokenizer(data_cfg) if os.path.exists(prepare_local_data(data_cfg, is_main=False)) else None
+    )
+    batch = LocalBatches(
+        prepare_local_data(data_cfg, is_main=False), tokenizer.pad_token_id, 0, 8, 2, 0, 1
+    ).fixed_batch(2)
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids).logits
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.labels.flatten()).item()
@@ -26,13 +30,24 @@ def test_full_export_loads_in_transformers_with_identical_outputs(tmp_path):
     records = pretrain(tmp_path, "train.steps=4", "fsdp.state_dict_type=FULL_STATE_DICT")
     export = tmp_path / "export"
     model, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
-    assert info["missing_keys"] == set() and info["unexpected_keys"] == set() and info["mismatched_keys"] == set()
-    assert sorted(os.listdir(export)) == ["config.json", "generation_config.json", "model.safetensors",
-                                          "tokenizer.json", "tokenizer_config.json"]
+    assert (
+        info["missing_keys"] == set()
+        and info["unexpected_keys"] == set()
+        and info["mismatched_keys"] == set()
+    )
+    assert sorted(os.listdir(export)) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     tokenizer = AutoTokenizer.from_pretrained(export)
     assert tokenizer.decode(tokenizer("def f(x): return x")["input_ids"]) == "def f(x): return x"
     # The trained FSDP model's loss on the fixed batch equals the reloaded model's: the logits match.
-    assert fixed_batch_loss_of(model.eval(), {}) == pytest.approx(event(records, "final")["fixed_batch_loss"], abs=1e-6)
+    assert fixed_batch_loss_of(model.eval(), {}) == pytest.approx(
+        event(records, "final")["fixed_batch_loss"], abs=1e-6
+    )
     assert not os.path.exists(f"{export}.tmp")
     assert (tmp_path / "run_config.json").exists()
 
@@ -40,28 +55,50 @@ def test_full_export_loads_in_transformers_with_identical_outputs(tmp_path):
 def test_sharded_export_is_one_file_per_rank_and_reloads_exactly_on_another_world_size(tmp_path):
     trained = pretrain(tmp_path / "a", "train.steps=4", "fsdp.state_dict_type=SHARDED_STATE_DICT")
     export = tmp_path / "a" / "export"
-    assert sorted(os.path.basename(p) for p in glob.glob(str(export / "*.distcp"))) == ["__0_0.distcp", "__1_0.distcp"]
+    assert sorted(os.path.basename(p) for p in glob.glob(str(export / "*.distcp"))) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
     # Reload it on 4 ranks with no training (steps=0) and convert it to a FULL export on the way.
-    reloaded = pretrain(tmp_path / "b", "train.steps=0", f"model.name_or_path={export}", "model.config={}", nproc=4)
-    assert event(reloaded, "final")["fixed_batch_loss"] == pytest.approx(event(trained, "final")["fixed_batch_loss"], abs=1e-6)
+    reloaded = pretrain(
+        tmp_path / "b", "train.steps=0", f"model.name_or_path={export}", "model.config={}", nproc=4
+    )
+    assert event(reloaded, "final")["fixed_batch_loss"] == pytest.approx(
+        event(trained, "final")["fixed_batch_loss"], abs=1e-6
+    )
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "b" / "export")
-    assert fixed_batch_loss_of(model.eval(), {}) == pytest.approx(event(trained, "final")["fixed_batch_loss"], abs=1e-6)
+    assert fixed_batch_loss_of(model.eval(), {}) == pytest.approx(
+        event(trained, "final")["fixed_batch_loss"], abs=1e-6
+    )
 
 
 @pytest.fixture(scope="module")
 def big_hf_checkpoint(tmp_path_factory):
     """About 100M parameters (400 MB fp32): large enough that a full copy shows up in a rank's peak RSS."""
     path = tmp_path_factory.mktemp("hf_llama")
-    config = LlamaConfig(vocab_size=4096, hidden_size=1024, intermediate_size=4096, num_hidden_layers=6,
-                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256)
+    config = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     return path
 
 
-def test_cpu_ram_efficient_loading_reads_on_rank0_only_and_gives_identical_weights(tmp_path, big_hf_checkpoint):
-    common = ["train.steps=0", f"model.name_or_path={big_hf_checkpoint}", "model.config={}",
-              "checkpoint.export=false"]
+def test_cpu_ram_efficient_loading_reads_on_rank0_only_and_gives_identical_weights(
+    tmp_path, big_hf_checkpoint
+):
+    common = [
+        "train.steps=0",
+        f"model.name_or_path={big_hf_checkpoint}",
+        "model.config={}",
+        "checkpoint.export=false",
+    ]
     env = {"MALLOC_MMAP_THRESHOLD_": "131072"}
     everyone = pretrain(tmp_path / "all", *common, "fsdp.cpu_ram_efficient_loading=false", extra_env=env)
     rank0 = pretrain(tmp_path / "r0", *common, "fsdp.cpu_ram_efficient_loading=true", extra_env=env)

@@ -2,8 +2,9 @@
 
 import pytest
 import torch
-from launch import event, losses, pretrain, steps
 from transformers import AutoModelForCausalLM
+
+from launch import event, losses, pretrain, steps
 
 STEP = ["train.steps=3", "train.micro_batch_size=4", "checkpoint.export=false"]
 
@@ -26,7 +27,12 @@ def test_reshard_after_forward_false_skips_the_backward_all_gather(tmp_path):
 
 
 def test_gradients_are_reduce_scattered_once_per_step_unless_sync_each_batch(tmp_path):
-    two_micro = ["train.steps=3", "train.micro_batch_size=2", "checkpoint.export=false", "metrics.comm_stats=true"]
+    two_micro = [
+        "train.steps=3",
+        "train.micro_batch_size=2",
+        "checkpoint.export=false",
+        "metrics.comm_stats=true",
+    ]
     once = pretrain(tmp_path / "once", *two_micro)  # 8 sequences / 2 ranks / micro-batch 2: 2 micro-batches
     each = pretrain(tmp_path / "each", *two_micro, "train.sync_each_batch=true")
     assert losses(once) == pytest.approx(losses(each), abs=1e-6)
@@ -36,16 +42,25 @@ def test_gradients_are_reduce_scattered_once_per_step_unless_sync_each_batch(tmp
     assert all(r["all_gather_bytes"] == 2 * 2 * param_bytes for r in steps(once) + steps(each))
 
 
-BIG_ACTIVATIONS = ["model.config.hidden_size=256", "model.config.intermediate_size=1024",
-                   "model.config.num_hidden_layers=4", "data.seq_len=256", "train.steps=2",
-                   "train.global_batch_size=16", "train.micro_batch_size=16", "checkpoint.export=false"]
+BIG_ACTIVATIONS = [
+    "model.config.hidden_size=256",
+    "model.config.intermediate_size=1024",
+    "model.config.num_hidden_layers=4",
+    "data.seq_len=256",
+    "train.steps=2",
+    "train.global_batch_size=16",
+    "train.micro_batch_size=16",
+    "checkpoint.export=false",
+]
 
 
 def test_activation_checkpointing_same_loss_lower_peak_memory(tmp_path):
     # glibc keeps freed memory unless large blocks are mmapped, which hides the activation peak.
     env = {"MALLOC_MMAP_THRESHOLD_": "131072"}
     plain = pretrain(tmp_path / "plain", *BIG_ACTIVATIONS, nproc=0, extra_env=env)
-    ac = pretrain(tmp_path / "ac", *BIG_ACTIVATIONS, "fsdp.activation_checkpointing=true", nproc=0, extra_env=env)
+    ac = pretrain(
+        tmp_path / "ac", *BIG_ACTIVATIONS, "fsdp.activation_checkpointing=true", nproc=0, extra_env=env
+    )
     assert losses(ac) == pytest.approx(losses(plain), abs=1e-6)
     plain_peak = steps(plain)[-1]["peak_mem_gib"]
     ac_peak = steps(ac)[-1]["peak_mem_gib"]
@@ -60,9 +75,15 @@ def test_cpu_offload_matches_losses(tmp_path):
 
 def test_bf16_params_with_fp32_reduce_run_on_cpu(tmp_path):
     fp32 = pretrain(tmp_path / "fp32", "train.steps=8", "checkpoint.export=false")
-    bf16 = pretrain(tmp_path / "bf16", "train.steps=8",
-                    'fsdp.mixed_precision={"param_dtype": "bfloat16", "reduce_dtype": "float32"}')
-    assert event(bf16, "model_ready")["mixed_precision"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    bf16 = pretrain(
+        tmp_path / "bf16",
+        "train.steps=8",
+        'fsdp.mixed_precision={"param_dtype": "bfloat16", "reduce_dtype": "float32"}',
+    )
+    assert event(bf16, "model_ready")["mixed_precision"] == {
+        "param_dtype": "bfloat16",
+        "reduce_dtype": "float32",
+    }
     assert losses(bf16) != losses(fp32)  # the policy really changed the compute dtype
     assert losses(bf16) == pytest.approx(losses(fp32), abs=0.05)
     assert losses(bf16)[-1] < losses(bf16)[0] - 0.3

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from launch import REPO, event, losses, read_metrics, run, steps
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MixtralConfig, Qwen3MoeConfig
 
@@ -17,27 +16,61 @@ from common.config import ConfigError, ParallelismConfig
 from common.mesh import resolve_moe_sizes
 from common.moe import check_moe
 from common.sft import arithmetic_examples, build_rows, tokenize_example
+from launch import REPO, event, losses, read_metrics, run, steps
 
 MOE = os.path.join(REPO, "configs", "debug_moe.json")
-TINY = dict(vocab_size=4096, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=256, tie_word_embeddings=False)
-SHORT = ["train.steps=6", "metrics.log_every=1", "eval.max_sequences=8", "checkpoint.resume=none",
-         "train.global_batch_size=8", "train.micro_batch_size=2"]
+TINY = dict(
+    vocab_size=4096,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+SHORT = [
+    "train.steps=6",
+    "metrics.log_every=1",
+    "eval.max_sequences=8",
+    "checkpoint.resume=none",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+]
 LAYOUTS = {  # (world size, overrides): the issue's layouts, plus TP
     "fsdp4-ep1": (4, ["parallelism.fsdp_size=4"]),
     "fsdp4-ep2": (4, ["parallelism.fsdp_size=4", "parallelism.ep_size=2", "checkpoint.interval=3"]),
-    "fsdp4-ep4": (4, ["parallelism.fsdp_size=4", "parallelism.ep_size=4", "fsdp.cpu_ram_efficient_loading=true"]),
-    "hsdp2x2-ep2": (4, ["parallelism.dp_replicate_size=2", "parallelism.fsdp_size=2", "parallelism.ep_size=2"]),
-    "fsdp2-tp2-ep2": (4, ["parallelism.fsdp_size=2", "parallelism.tp_size=2", "parallelism.ep_size=2",
-                          "train.sync_each_batch=true"]),
+    "fsdp4-ep4": (
+        4,
+        ["parallelism.fsdp_size=4", "parallelism.ep_size=4", "fsdp.cpu_ram_efficient_loading=true"],
+    ),
+    "hsdp2x2-ep2": (
+        4,
+        ["parallelism.dp_replicate_size=2", "parallelism.fsdp_size=2", "parallelism.ep_size=2"],
+    ),
+    "fsdp2-tp2-ep2": (
+        4,
+        [
+            "parallelism.fsdp_size=2",
+            "parallelism.tp_size=2",
+            "parallelism.ep_size=2",
+            "train.sync_each_batch=true",
+        ],
+    ),
 }
 
 
 def save_tiny(path, kind: str) -> str:
     torch.manual_seed(0)
     if kind == "qwen3_moe":
-        config = Qwen3MoeConfig(**TINY, intermediate_size=128, moe_intermediate_size=32, head_dim=16, num_experts=8,
-                                num_experts_per_tok=2, router_aux_loss_coef=0.01)
+        config = Qwen3MoeConfig(
+            **TINY,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            router_aux_loss_coef=0.01,
+        )
     else:
         config = MixtralConfig(**TINY, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
@@ -45,7 +78,14 @@ def save_tiny(path, kind: str) -> str:
 
 
 def finetune(run_dir, model_dir, *overrides, nproc=4, **kwargs) -> list[dict]:
-    args = ["--config", MOE, f"checkpoint.dir={run_dir}", f"model.name_or_path={model_dir}", "model.config={}", *SHORT]
+    args = [
+        "--config",
+        MOE,
+        f"checkpoint.dir={run_dir}",
+        f"model.name_or_path={model_dir}",
+        "model.config={}",
+        *SHORT,
+    ]
     run("finetune_moe_ep_fsdp.py", [*args, *overrides], nproc=nproc, **kwargs)
     return read_metrics(run_dir)
 
@@ -57,7 +97,11 @@ def weights(run_dir) -> dict:
 def assert_close_steps(got: list[dict], want: list[dict], tol: float) -> None:
     for key in ("loss", "grad_norm", "router_aux_loss"):
         a, b = [r[key] for r in steps(got)], [r[key] for r in steps(want)]
-        assert len(a) == len(b) == 6 and all(abs(x - y) <= tol * max(1.0, abs(y)) for x, y in zip(a, b)), (key, a, b)
+        assert len(a) == len(b) == 6 and all(abs(x - y) <= tol * max(1.0, abs(y)) for x, y in zip(a, b)), (
+            key,
+            a,
+            b,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +126,7 @@ def layouts(tmp_path_factory, qwen):
             run_dir = tmp_path_factory.mktemp(name)
             cache[name] = run_dir, finetune(run_dir, qwen, *overrides, nproc=nproc)
         return cache[name]
+
     return get
 
 
@@ -102,11 +147,16 @@ def test_layout_matches_one_process_and_places_experts(name, reference, layouts)
         return
     efsdp = 4 // ep  # fsdp * tp / ep with fsdp * tp = 4 in every layout here
     for rank_layout in layout:
-        assert rank_layout["mesh"] == ({"dp_replicate": 2, "efsdp": efsdp // 2, "ep": ep} if "hsdp" in name
-                                       else {"efsdp": efsdp, "ep": ep})
+        assert rank_layout["mesh"] == (
+            {"dp_replicate": 2, "efsdp": efsdp // 2, "ep": ep}
+            if "hsdp" in name
+            else {"efsdp": efsdp, "ep": ep}
+        )
         assert rank_layout["placements"][-1] == "S(0)"  # whole experts split over ep: E/ep per rank...
         rows = rank_layout["global_shape"][0] // ep
-        assert rank_layout["local_shape"][0] == -(-rows // rank_layout["mesh"]["efsdp"])  # ...then FSDP over efsdp
+        assert rank_layout["local_shape"][0] == -(
+            -rows // rank_layout["mesh"]["efsdp"]
+        )  # ...then FSDP over efsdp
 
 
 def test_exact_resume_with_experts_on_their_own_mesh(tmp_path, qwen, layouts):
@@ -115,7 +165,7 @@ def test_exact_resume_with_experts_on_their_own_mesh(tmp_path, qwen, layouts):
     first = finetune(tmp_path, qwen, *overrides, "train.stop_after=3")
     assert event(first, "stopped")["step"] == 3
     both = finetune(tmp_path, qwen, *overrides, "checkpoint.resume=auto")
-    resumed = both[len(first):]
+    resumed = both[len(first) :]
     assert event(resumed, "model_ready")["start_step"] == 3
     assert losses(resumed) == losses(straight)[3:]
     a, b = weights(tmp_path), weights(straight_dir)
@@ -124,7 +174,9 @@ def test_exact_resume_with_experts_on_their_own_mesh(tmp_path, qwen, layouts):
 
 def fixed_batch_loss_in_transformers(export_dir: str, size: int = 2) -> tuple[float, dict]:
     """The script's fixed batch (first SFT rows), scored by plain Transformers from the export."""
-    model, info = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32, output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        export_dir, dtype=torch.float32, output_loading_info=True
+    )
     tokenizer = AutoTokenizer.from_pretrained(export_dir)
     examples = [tokenize_example(tokenizer, e) for e in arithmetic_examples("train")[:200]]
     rows = torch.from_numpy(build_rows(examples, 64, True, tokenizer.pad_token_id)[:size]).long()
@@ -150,12 +202,16 @@ def test_full_export_loads_in_transformers_with_the_trained_logits(layouts):
     trained.load_state_dict(state["model"])
     ids = torch.randint(0, 4096, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(exported(input_ids=ids).logits, trained(input_ids=ids).logits, rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            exported(input_ids=ids).logits, trained(input_ids=ids).logits, rtol=0, atol=1e-6
+        )
 
 
 def test_mixtral_trains_with_ep_and_round_trips(tmp_path):
     model_dir = save_tiny(tmp_path / "mixtral", "mixtral")
-    records = finetune(tmp_path / "run", model_dir, "parallelism.ep_size=2", "train.router_aux_loss_coef=0.02", nproc=2)
+    records = finetune(
+        tmp_path / "run", model_dir, "parallelism.ep_size=2", "train.router_aux_loss_coef=0.02", nproc=2
+    )
     assert event(records, "model_ready")["router_aux_loss_coef"] == 0.02
     assert all(r["loss"] > 0 and r["router_aux_loss"] > 0 for r in steps(records))
     loss, info = fixed_batch_loss_in_transformers(str(tmp_path / "run" / "export"))
@@ -165,32 +221,48 @@ def test_mixtral_trains_with_ep_and_round_trips(tmp_path):
 
 def test_fsdp_keys_keep_the_math_and_sharded_export_reloads(tmp_path, qwen, reference):
     """AC, SIZE_BASED_WRAP, no reshard and CPU offload on EP: same losses; the SHARDED export reloads."""
-    keys = ["fsdp.activation_checkpointing=true", "fsdp.auto_wrap_policy=SIZE_BASED_WRAP", "fsdp.min_num_params=20000",
-            "fsdp.reshard_after_forward=false", "fsdp.cpu_offload=true", "fsdp.state_dict_type=SHARDED_STATE_DICT"]
+    keys = [
+        "fsdp.activation_checkpointing=true",
+        "fsdp.auto_wrap_policy=SIZE_BASED_WRAP",
+        "fsdp.min_num_params=20000",
+        "fsdp.reshard_after_forward=false",
+        "fsdp.cpu_offload=true",
+        "fsdp.state_dict_type=SHARDED_STATE_DICT",
+    ]
     records = finetune(tmp_path / "run", qwen, "parallelism.ep_size=2", *keys, nproc=2)
     assert_close_steps(records, reference[1], 1e-5)
     export = tmp_path / "run" / "export"
     assert sorted(f for f in os.listdir(export) if f.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     reloaded = finetune(tmp_path / "reload", str(export), "train.steps=0", nproc=0)
-    assert event(reloaded, "final")["fixed_batch_loss"] == pytest.approx(event(records, "final")["fixed_batch_loss"],
-                                                                         abs=1e-6)
+    assert event(reloaded, "final")["fixed_batch_loss"] == pytest.approx(
+        event(records, "final")["fixed_batch_loss"], abs=1e-6
+    )
 
 
 def test_bf16_mixed_precision_and_no_wrap(tmp_path, qwen, reference):
-    records = finetune(tmp_path, qwen, "parallelism.ep_size=2", "fsdp.mixed_precision=bf16",
-                       "fsdp.auto_wrap_policy=NO_WRAP", nproc=2)
+    records = finetune(
+        tmp_path,
+        qwen,
+        "parallelism.ep_size=2",
+        "fsdp.mixed_precision=bf16",
+        "fsdp.auto_wrap_policy=NO_WRAP",
+        nproc=2,
+    )
     assert event(records, "model_ready")["fsdp_units"] == 3  # two expert units on the expert mesh + the root
     got, want = losses(records), losses(reference[1])
     assert all(abs(a - b) < 0.05 * b for a, b in zip(got, want)), (got, want)
 
 
-@pytest.mark.parametrize("sizes,world,message", [
-    (dict(ep_size=2), 1, "parallelism.ep_size (2) does not divide fsdp_size x tp_size (1 x 1)"),
-    (dict(ep_size=3, fsdp_size=3), 3, "parallelism.ep_size (3) does not divide the model's 8 experts"),
-    (dict(tp_size=2, fsdp_size=1), 2, "parallelism.ep_size (1) is not a multiple of tp_size (2)"),
-    (dict(fsdp_size=3), 4, "does not cover the world size 4"),
-    (dict(dp_shard_size=2), 2, "set parallelism.fsdp_size instead"),
-])
+@pytest.mark.parametrize(
+    "sizes,world,message",
+    [
+        (dict(ep_size=2), 1, "parallelism.ep_size (2) does not divide fsdp_size x tp_size (1 x 1)"),
+        (dict(ep_size=3, fsdp_size=3), 3, "parallelism.ep_size (3) does not divide the model's 8 experts"),
+        (dict(tp_size=2, fsdp_size=1), 2, "parallelism.ep_size (1) is not a multiple of tp_size (2)"),
+        (dict(fsdp_size=3), 4, "does not cover the world size 4"),
+        (dict(dp_shard_size=2), 2, "set parallelism.fsdp_size instead"),
+    ],
+)
 def test_layout_errors_name_the_key_and_the_fix(sizes, world, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         resolve_moe_sizes(ParallelismConfig(**sizes), world, num_experts=8)
@@ -204,7 +276,13 @@ def test_a_dense_model_is_refused():
 
 
 def test_bad_input_is_one_line_on_every_rank_before_anything_is_written(tmp_path):
-    args = ["--config", MOE, f"checkpoint.dir={tmp_path / 'run'}", "model.config.num_experts=3", "parallelism.ep_size=2"]
+    args = [
+        "--config",
+        MOE,
+        f"checkpoint.dir={tmp_path / 'run'}",
+        "model.config.num_experts=3",
+        "parallelism.ep_size=2",
+    ]
     proc = run("finetune_moe_ep_fsdp.py", args, nproc=2, check=False, timeout=120)
     errors = [line for line in proc.stderr.splitlines() if "config error:" in line]
     assert proc.returncode != 0 and len(errors) == 2, proc.stderr[-2000:]
@@ -214,17 +292,32 @@ def test_bad_input_is_one_line_on_every_rank_before_anything_is_written(tmp_path
 
 def test_tp_with_gradient_accumulation_must_sync_each_micro_batch(tmp_path):
     tp = ["parallelism.fsdp_size=2", "parallelism.tp_size=2", "parallelism.ep_size=2"]
-    proc = run("finetune_moe_ep_fsdp.py", ["--config", MOE, f"checkpoint.dir={tmp_path / 'run'}", *tp], nproc=0,
-               check=False, extra_env={"WORLD_SIZE": "4"}, timeout=120)  # refused before any process group
-    assert proc.returncode == 2 and "set train.sync_each_batch=true" in proc.stderr.strip(), proc.stderr[-2000:]
+    proc = run(
+        "finetune_moe_ep_fsdp.py",
+        ["--config", MOE, f"checkpoint.dir={tmp_path / 'run'}", *tp],
+        nproc=0,
+        check=False,
+        extra_env={"WORLD_SIZE": "4"},
+        timeout=120,
+    )  # refused before any process group
+    assert proc.returncode == 2 and "set train.sync_each_batch=true" in proc.stderr.strip(), proc.stderr[
+        -2000:
+    ]
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_qwen3_moe_json_offline_fails_with_a_clear_message():
-    proc = run("finetune_moe_ep_fsdp.py", ["--config", os.path.join(REPO, "configs", "qwen3_moe.json")], nproc=0,
-               check=False, extra_env={"HF_HUB_OFFLINE": "1"})
+    proc = run(
+        "finetune_moe_ep_fsdp.py",
+        ["--config", os.path.join(REPO, "configs", "qwen3_moe.json")],
+        nproc=0,
+        check=False,
+        extra_env={"HF_HUB_OFFLINE": "1"},
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith("config error: model.name_or_path 'Qwen/"), proc.stderr[-999:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("config error: model.name_or_path 'Qwen/"), (
+        proc.stderr[-999:]
+    )
 
 
 def test_debug_config_learns_arithmetic_and_logs_router_metrics(tmp_path):
@@ -242,4 +335,3 @@ def test_debug_config_learns_arithmetic_and_logs_router_metrics(tmp_path):
     assert all(mx >= m for mx, m in zip(last["tokens_per_expert_max"], last["tokens_per_expert_mean"]))
     with open(tmp_path / "run_config.json") as f:
         assert json.load(f)["data"]["dataset"] == "arithmetic"
-

@@ -1,6 +1,7 @@
 """N-rank FSDP/HSDP training equals the one-process run: the heart of the recipe's correctness."""
 
 import pytest
+
 from launch import event, losses, pretrain, steps, write_short_documents
 
 STEPS = 10
@@ -8,17 +9,26 @@ STEPS = 10
 
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory):
-    return pretrain(tmp_path_factory.mktemp("single"), f"train.steps={STEPS}", "checkpoint.export=false", nproc=0)
+    return pretrain(
+        tmp_path_factory.mktemp("single"), f"train.steps={STEPS}", "checkpoint.export=false", nproc=0
+    )
 
 
-@pytest.mark.parametrize("nproc,overrides", [
-    (2, []),
-    (4, []),
-    (4, ["parallelism.dp_replicate_size=2", "parallelism.dp_shard_size=2"]),  # 2x2 HSDP
-    (2, ["parallelism.cp_size=2"]),  # context parallel training: each rank trains on half of every sequence
-    # HSDP replicas 2 x cp 2: FSDP shards over the cp ranks of a replica, which all-reduce with the other.
-    (4, ["parallelism.dp_replicate_size=2", "parallelism.cp_size=2"]),
-], ids=["fsdp2", "fsdp4", "hsdp2x2", "cp2", "hsdp2xcp2"])
+@pytest.mark.parametrize(
+    "nproc,overrides",
+    [
+        (2, []),
+        (4, []),
+        (4, ["parallelism.dp_replicate_size=2", "parallelism.dp_shard_size=2"]),  # 2x2 HSDP
+        (
+            2,
+            ["parallelism.cp_size=2"],
+        ),  # context parallel training: each rank trains on half of every sequence
+        # HSDP replicas 2 x cp 2: FSDP shards over the cp ranks of a replica, which all-reduce with the other.
+        (4, ["parallelism.dp_replicate_size=2", "parallelism.cp_size=2"]),
+    ],
+    ids=["fsdp2", "fsdp4", "hsdp2x2", "cp2", "hsdp2xcp2"],
+)
 def test_losses_match_single_process(tmp_path, single_process, nproc, overrides):
     records = pretrain(tmp_path, f"train.steps={STEPS}", "checkpoint.export=false", *overrides, nproc=nproc)
     assert event(records, "model_ready")["world_size"] == nproc
@@ -30,7 +40,8 @@ def test_losses_match_single_process(tmp_path, single_process, nproc, overrides)
 
 
 def test_document_mask_under_cp_trains_like_one_process(tmp_path):
-    """Packed documents kept apart: one process uses Transformers' packed-sequence mask, cp 2 common/cp.py's."""
+    """Packed documents kept apart: one process uses Transformers' packed-sequence mask, cp 2
+    common/cp.py's."""
     corpus = write_short_documents(tmp_path / "short.jsonl")
     common = ["train.steps=4", "checkpoint.export=false", f"data.dataset={corpus}"]
     plain = pretrain(tmp_path / "plain", *common, nproc=0)

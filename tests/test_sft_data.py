@@ -3,14 +3,16 @@
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3MoeConfig
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3MoeConfig
 
 from common.config import ConfigError
 from common.sft import arithmetic_examples, build_rows, tokenize_example
 
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% if m['role'] == 'assistant' %}<eos>"
-            "{% endif %}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% if m['role'] == 'assistant' %}<eos>"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +50,18 @@ def test_packing_restarts_positions_and_never_trains_across_examples(tokenizer):
 def test_packed_examples_do_not_see_each_other(tokenizer):
     """A packed row gives each example exactly the logits it gets alone: position ids alone isolate them."""
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                            num_experts=4, num_experts_per_tok=2)
+    config = Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     a, b = (tokenize_example(tokenizer, e) for e in arithmetic_examples("train")[:2])
     packed = torch.from_numpy(build_rows([a, b], seq_len=32, pack=True, pad_id=0)).long()
@@ -59,14 +70,18 @@ def test_packed_examples_do_not_see_each_other(tokenizer):
         both = model(input_ids=packed[:, 0], position_ids=packed[:, 2], use_cache=False).logits[0]
         single = model(input_ids=alone[:, 0], position_ids=alone[:, 2], use_cache=False).logits[0]
     n_a, n_b = len(a[0]) - 1, len(b[0]) - 1
-    torch.testing.assert_close(both[n_a:n_a + n_b], single[:n_b], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(both[n_a : n_a + n_b], single[:n_b], atol=1e-5, rtol=1e-5)
 
 
 def test_chat_messages_train_on_every_assistant_turn_only(tokenizer):
     tokenizer.chat_template = TEMPLATE
     try:
-        messages = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"},
-                    {"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}]
+        messages = [
+            {"role": "user", "content": "1+1="},
+            {"role": "assistant", "content": "2"},
+            {"role": "user", "content": "2+2="},
+            {"role": "assistant", "content": "4"},
+        ]
         ids, answer = tokenize_example(tokenizer, {"messages": messages})
         assert tokenizer.decode(ids) == tokenizer.apply_chat_template(messages, tokenize=False)
         assert tokenizer.decode([i for i, a in zip(ids, answer) if a]) == "2<eos>4<eos>"

@@ -1,4 +1,5 @@
-"""slurm/8node.sh on a real two-node Slurm cluster on loopback (tests/slurm/cluster.sh), and multi-node torchrun."""
+"""slurm/8node.sh on a real two-node Slurm cluster on loopback (tests/slurm/cluster.sh), and multi-node
+torchrun."""
 
 import json
 import os
@@ -8,16 +9,23 @@ import sys
 import time
 
 import pytest
+
 from launch import REPO, TINY, env, event, losses, read_metrics, steps
 
 CLUSTER = os.path.join(REPO, "tests", "slurm", "cluster.sh")
-SBATCH_CPU = ["--nodes=2", "--gpus-per-node=0", "--time=15"]  # the 8-node file, overridden on the command line
+SBATCH_CPU = [
+    "--nodes=2",
+    "--gpus-per-node=0",
+    "--time=15",
+]  # the 8-node file, overridden on the command line
 
 
 @pytest.fixture(scope="module")
 def slurm_env():
     if shutil.which("slurmctld") is None or shutil.which("munged") is None:
-        pytest.skip("Slurm is not installed (apt-get install slurmctld slurmd slurm-client munge; .ci/run does)")
+        pytest.skip(
+            "Slurm is not installed (apt-get install slurmctld slurmd slurm-client munge; .ci/run does)"
+        )
     if os.geteuid() != 0:
         pytest.skip("the loopback Slurm cluster needs root")
     state = f"/tmp/fsdp2-recipes-slurm-{os.getpid()}"
@@ -28,16 +36,37 @@ def slurm_env():
 
 
 def sbatch(slurm_env, tmp_path, *args: str, wait: bool, script: str = "8node.sh", config: str = TINY) -> str:
-    cmd = ["sbatch", "--parsable", *(["--wait"] if wait else []), *SBATCH_CPU, f"--output={tmp_path}/%j.out",
-           os.path.join("slurm", script), config, f"checkpoint.dir={tmp_path}/run", *args]
-    proc = subprocess.run(cmd, cwd=REPO, env={**slurm_env, "FSDP2_RECIPES_PREEMPT_FILE": f"{tmp_path}/preempt"},
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout, proc.stderr, open(next(tmp_path.glob("*.out"))).read() if wait else "")
+    cmd = [
+        "sbatch",
+        "--parsable",
+        *(["--wait"] if wait else []),
+        *SBATCH_CPU,
+        f"--output={tmp_path}/%j.out",
+        os.path.join("slurm", script),
+        config,
+        f"checkpoint.dir={tmp_path}/run",
+        *args,
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env={**slurm_env, "FSDP2_RECIPES_PREEMPT_FILE": f"{tmp_path}/preempt"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, (
+        proc.stdout,
+        proc.stderr,
+        open(next(tmp_path.glob("*.out"))).read() if wait else "",
+    )
     return proc.stdout.strip().split(";")[0]
 
 
 def job_state(slurm_env, job: str) -> str:
-    out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=slurm_env, capture_output=True, text=True)
+    out = subprocess.run(
+        ["squeue", "-h", "-j", job, "-o", "%T"], env=slurm_env, capture_output=True, text=True
+    )
     return out.stdout.strip()
 
 
@@ -46,7 +75,8 @@ def job_report(slurm_env, job: str, log_path) -> str:
     show = subprocess.run(["scontrol", "show", "job", job], env=slurm_env, capture_output=True, text=True)
     ctld_log = os.path.join(os.path.dirname(slurm_env["SLURM_CONF"]), "log", "slurmctld.log")
     ctld = open(ctld_log).read()[-3000:] if os.path.exists(ctld_log) else ""
-    return f"{show.stdout}{show.stderr}\n--- slurmctld.log\n{ctld}\n--- {log_path}\n{log_path.read_text()[-4000:]}"
+    job_log = log_path.read_text()[-4000:]
+    return f"{show.stdout}{show.stderr}\n--- slurmctld.log\n{ctld}\n--- {log_path}\n{job_log}"
 
 
 @pytest.mark.slurm
@@ -71,7 +101,9 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm_env, tmp_path):
     # Done when the job has left the queue after its second run started; squeue can briefly list nothing
     # while a job is being requeued, so an empty state alone does not mean finished.
     while (state := job_state(slurm_env, job)) != "" or "(restart 1)" not in log_path.read_text():
-        assert time.monotonic() < deadline + 300, f"job {job} still {state!r}\n{job_report(slurm_env, job, log_path)}"
+        assert time.monotonic() < deadline + 300, (
+            f"job {job} still {state!r}\n{job_report(slurm_env, job, log_path)}"
+        )
         if state == "PENDING":
             # Slurm delays a requeued job's start by about two minutes (and may set that delay after an early
             # update): the test keeps asking for now instead of waiting.
@@ -92,11 +124,30 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm_env, tmp_path):
 
 @pytest.mark.slurm
 def test_eval_cp_sbatch_splits_a_sequence_across_two_nodes(slurm_env, tmp_path):
-    subprocess.run([sys.executable, os.path.join(REPO, "scripts", "pretrain_fsdp.py"), "--config", TINY,
-                    f"checkpoint.dir={tmp_path}/trained", "train.steps=2"], env=env(), check=True, capture_output=True)
-    sbatch(slurm_env, tmp_path, f"model.name_or_path={tmp_path}/trained/export", "parallelism.cp_size=2",
-           "data.seq_len=256", "eval.max_sequences=2", wait=True, script="eval_cp.sh",
-           config=os.path.join(REPO, "configs", "debug_eval_cp.json"))
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "scripts", "pretrain_fsdp.py"),
+            "--config",
+            TINY,
+            f"checkpoint.dir={tmp_path}/trained",
+            "train.steps=2",
+        ],
+        env=env(),
+        check=True,
+        capture_output=True,
+    )
+    sbatch(
+        slurm_env,
+        tmp_path,
+        f"model.name_or_path={tmp_path}/trained/export",
+        "parallelism.cp_size=2",
+        "data.seq_len=256",
+        "eval.max_sequences=2",
+        wait=True,
+        script="eval_cp.sh",
+        config=os.path.join(REPO, "configs", "debug_eval_cp.json"),
+    )
     results = json.load(open(tmp_path / "run" / "eval_results.json"))
     assert results["cp_size"] == 2 and results["tokens"] == 2 * 256
 
@@ -104,8 +155,16 @@ def test_eval_cp_sbatch_splits_a_sequence_across_two_nodes(slurm_env, tmp_path):
 @pytest.mark.slurm
 def test_moe_sbatch_runs_expert_parallel_across_two_nodes(slurm_env, tmp_path):
     """ep=2 over one rank per node: every MoE layer's all-to-all crosses the (loopback) nodes."""
-    sbatch(slurm_env, tmp_path, "parallelism.ep_size=2", "train.steps=3", "metrics.log_every=1", wait=True,
-           script="moe_ep.sh", config=os.path.join(REPO, "configs", "debug_moe.json"))
+    sbatch(
+        slurm_env,
+        tmp_path,
+        "parallelism.ep_size=2",
+        "train.steps=3",
+        "metrics.log_every=1",
+        wait=True,
+        script="moe_ep.sh",
+        config=os.path.join(REPO, "configs", "debug_moe.json"),
+    )
     records = read_metrics(tmp_path / "run")
     layout = event(records, "model_ready")["expert_layout_per_rank"]
     assert [r["mesh"] for r in layout] == [{"efsdp": 1, "ep": 2}] * 2 and len(losses(records)) == 3
@@ -115,18 +174,34 @@ def test_moe_sbatch_runs_expert_parallel_across_two_nodes(slurm_env, tmp_path):
 def test_two_torchrun_agents_rendezvous_without_slurm(tmp_path):
     """The README's multi-node recipe, two agents on one host: --nnodes 2 with a c10d rendezvous."""
     port = 29000 + os.getpid() % 1000
-    cmd = ["torchrun", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
-           "--rdzv_id=two-agents", os.path.join(REPO, "scripts", "pretrain_fsdp.py"), "--config", TINY,
-           f"checkpoint.dir={tmp_path}", "train.steps=2", "checkpoint.export=false"]
-    agents = [subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
+    cmd = [
+        "torchrun",
+        "--nnodes=2",
+        "--nproc_per_node=1",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{port}",
+        "--rdzv_id=two-agents",
+        os.path.join(REPO, "scripts", "pretrain_fsdp.py"),
+        "--config",
+        TINY,
+        f"checkpoint.dir={tmp_path}",
+        "train.steps=2",
+        "checkpoint.export=false",
+    ]
+    agents = [
+        subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for _ in range(2)
+    ]
     for agent in agents:
         assert agent.wait(timeout=300) == 0, agent.stdout.read().decode()[-3000:]
     assert event(read_metrics(tmp_path), "model_ready")["world_size"] == 2
 
 
 def test_shell_scripts_parse_and_are_shellcheck_clean():
-    scripts = [os.path.join(REPO, "slurm", f) for f in os.listdir(os.path.join(REPO, "slurm"))] + [CLUSTER,
-               os.path.join(REPO, ".ci", "run")]
+    scripts = [os.path.join(REPO, "slurm", f) for f in os.listdir(os.path.join(REPO, "slurm"))] + [
+        CLUSTER,
+        os.path.join(REPO, ".ci", "run"),
+    ]
     for script in scripts:
         subprocess.run(["bash", "-n", script], check=True)
     if shutil.which("shellcheck") is None:

@@ -24,8 +24,15 @@ def process_group():
 
 
 def tiny_llama(tie: bool = False) -> nn.Module:
-    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tie,
+    )
     return build_meta_model(config, ModelConfig())
 
 
@@ -93,10 +100,19 @@ def test_unknown_layer_class_lists_the_model_classes():
 
 
 def test_cpu_offload_and_mixed_precision_reach_every_parameter():
-    model = shard(tiny_llama(), cpu_offload=True, mixed_precision={"param_dtype": "bfloat16", "reduce_dtype": "float32"})
+    model = shard(
+        tiny_llama(), cpu_offload=True, mixed_precision={"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    )
     model.to_empty(device="cpu")
-    fsdp_params = list({id(fp): fp for m in model.modules() if isinstance(m, FSDPModule)
-                        for group in m._get_fsdp_state()._fsdp_param_groups for fp in group.fsdp_params}.values())
+    fsdp_params = list(
+        {
+            id(fp): fp
+            for m in model.modules()
+            if isinstance(m, FSDPModule)
+            for group in m._get_fsdp_state()._fsdp_param_groups
+            for fp in group.fsdp_params
+        }.values()
+    )
     assert len(fsdp_params) == len(list(model.parameters()))
     for fsdp_param in fsdp_params:
         assert fsdp_param.offload_to_cpu

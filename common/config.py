@@ -195,6 +195,11 @@ DTYPE_NAMES = {
 }
 
 
+def _close_match(key: str, choices) -> str:
+    close = difflib.get_close_matches(key, list(choices), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
 def _did_you_mean(key: str, choices) -> str:
     close = difflib.get_close_matches(key, list(choices), n=1)
     return f" (did you mean '{close[0]}'?)" if close else f" (valid: {', '.join(sorted(choices))})"
@@ -496,7 +501,7 @@ def validate(cfg: Config) -> None:
     if f.auto_wrap_policy not in WRAP_POLICIES:
         raise ConfigError(
             f"fsdp.auto_wrap_policy is {f.auto_wrap_policy!r}; use one of {', '.join(WRAP_POLICIES)}"
-            f"{_did_you_mean(str(f.auto_wrap_policy), WRAP_POLICIES)}"
+            f"{_close_match(str(f.auto_wrap_policy), WRAP_POLICIES)}"
         )
     if f.auto_wrap_policy == "SIZE_BASED_WRAP":
         if f.min_num_params is None:
@@ -576,7 +581,7 @@ def parse_args(argv: list[str] | None = None, description: str = "", xla: bool =
 
     `xla`: whether the calling script is the PyTorch/XLA one; fsdp.xla must agree, so it is never ignored.
     """
-    parser = argparse.ArgumentParser(description=description)
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="JSON run config (see configs/)")
     parser.add_argument("--fsdp-config", help="a Transformers fsdp_config JSON; fills the fsdp section")
     parser.add_argument("--accelerate-config", help="an Accelerate YAML with an fsdp_config block")

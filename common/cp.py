@@ -5,7 +5,7 @@ torch's context_parallel needs CUDA SDPA kernels (on CPU it has no sharding stra
 _scaled_dot_product_flash_attention_for_cpu). This path works everywhere, and in backward too. eval_cp.py and
 pretrain_fsdp.py (long-context training) share it, so eval uses the same CP as training by construction.
 
-The all-gather is torch's functional `all_gather_tensor_autograd` (backward: reduce-scatter). The older
+The all-gather is torch's functional `all_gather_single_autograd` (backward: reduce-scatter). The older
 `torch.distributed.nn.functional.all_gather` gave wrong K/V gradients on gloo here (grad norm 0.871 instead
 of the one-process 0.947 on the first step of debug_tiny at cp=2).
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed._functional_collectives import all_gather_tensor, all_gather_tensor_autograd
+from torch.distributed._functional_collectives import all_gather_single, all_gather_single_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, PretrainedConfig
@@ -35,9 +35,9 @@ TORCH_ATTENTION = "cp_torch"
 QUERY_BLOCK = 1024
 
 
-def _whole_sequence(local: torch.Tensor, dim: int, gather=all_gather_tensor) -> torch.Tensor:
+def _whole_sequence(local: torch.Tensor, dim: int, gather=all_gather_single) -> torch.Tensor:
     """This rank's shard of every sequence -> whole sequences in position order (head-tail shards arrive out
-    of order, so they are sorted by position). K and V pass all_gather_tensor_autograd to keep gradients."""
+    of order, so they are sorted by position). K and V pass all_gather_single_autograd to keep gradients."""
     if CP["size"] == 1:
         return local
     full = gather(local.contiguous(), gather_dim=dim, group=CP["group"])
@@ -53,8 +53,8 @@ def allgather_kv_attention(module, query, key, value, attention_mask, dropout=0.
     gigabytes) and which skips keys no query here can see. With data.document_mask, a [block, end] boolean
     mask also keeps each query inside its document, found from the position ids (a document starts at 0).
     """
-    key = _whole_sequence(key, dim=2, gather=all_gather_tensor_autograd)
-    value = _whole_sequence(value, dim=2, gather=all_gather_tensor_autograd)
+    key = _whole_sequence(key, dim=2, gather=all_gather_single_autograd)
+    value = _whole_sequence(value, dim=2, gather=all_gather_single_autograd)
     if CP["document_mask"]:
         documents = (_whole_sequence(kwargs["position_ids"], dim=1) == 0).cumsum(dim=1)  # [batch, seq]
         query_documents = documents[:, CP["positions"]]

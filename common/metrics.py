@@ -55,6 +55,29 @@ def reset_peak_memory(device: torch.device) -> None:
         pass
 
 
+def _short(value) -> str:
+    """A value as a person reads it: 4 significant digits, thousands separators, per-rank lists compact."""
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} {_short(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        if len(value) > 1 and all(v == value[0] for v in value):
+            return f"{_short(value[0])} (x{len(value)})"  # the same on every rank
+        return "[" + ", ".join(_short(v) for v in value) + "]"
+    return str(value)
+
+
+def event_line(record: dict) -> str:
+    """`model_ready: params 1,196,608, ...`: the terminal's form of an event; metrics.jsonl keeps the JSON."""
+    fields = ", ".join(f"{key} {_short(value)}" for key, value in record.items() if key != "event")
+    return f"{record['event']}: {fields}"
+
+
 class MetricsLogger:
     """Rank 0 writes; other ranks hold a logger that does nothing, so call sites need no rank checks."""
 
@@ -99,7 +122,7 @@ class MetricsLogger:
                     if isinstance(value, (int, float)) and key != "step":
                         self.tb.add_scalar(key, value, record["step"])
         else:
-            print(json.dumps(record), flush=True)
+            print(event_line(record), flush=True)
 
     def close(self) -> None:
         if self.file is not None:

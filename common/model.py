@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import zlib
 
 import torch
@@ -10,11 +11,29 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig
+from transformers.utils import logging as hf_logging
 
 from common.config import ConfigError, ModelConfig
 
+# Weight loading and export happen once per run, on every rank: their bars would only bury the log.
+hf_logging.disable_progress_bar()
 
-def load_model_config(cfg: ModelConfig) -> PretrainedConfig:
+
+def load_model_config(cfg: ModelConfig, seq_len: int | None = None) -> PretrainedConfig:
+    """The model's config, from model.config or model.name_or_path; warns when seq_len exceeds its positions."""
+    hf_config = _read_model_config(cfg)
+    max_positions = getattr(hf_config, "max_position_embeddings", None)
+    if seq_len and max_positions and seq_len > max_positions and os.environ.get("RANK", "0") == "0":
+        print(
+            f"warning: data.seq_len ({seq_len}) exceeds the model's max_position_embeddings ({max_positions}); "
+            f"positions past it were never trained",
+            file=sys.stderr,
+            flush=True,
+        )
+    return hf_config
+
+
+def _read_model_config(cfg: ModelConfig) -> PretrainedConfig:
     if not cfg.name_or_path:
         try:
             if "model_type" in cfg.config:  # any architecture, e.g. a tiny qwen3_moe

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
             cfg.model.name_or_path
         )  # evaluate with the tokenizer the checkpoint was trained with
     cfg.model.attn_implementation = cp.TORCH_ATTENTION if attention == "torch_cp" else cp.ATTENTION
-    hf_config = load_model_config(cfg.model)
+    hf_config = load_model_config(cfg.model, cfg.data.seq_len)
     cp.check_cp(cfg.data.seq_len, p.cp_size, e.load_balance, hf_config)
     model = build_meta_model(hf_config, cfg.model)
     resolve_layer_classes(model, cfg.fsdp)

@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
             "train.compile is true but EP's all-to-all reads split sizes on the host every layer, "
             "which breaks compiled graphs; set train.compile=false"
         )
-    hf_config = load_model_config(cfg.model)
+    hf_config = load_model_config(cfg.model, cfg.data.seq_len)
     hf_config.use_cache = False
     model = build_meta_model(hf_config, cfg.model)  # no memory yet: every tensor is on `meta`
     num_experts, aux_loss_fn = check_moe(model, cfg.model.name_or_path or "model.config")
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
                 )
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
-            if step % cfg.metrics.log_every == 0 or step == t.steps:
+            if step % cfg.metrics.log_every == 0 or step in (start_step + 1, t.steps):
                 record = {
                     "step": step,
                     **stats,

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     if cp_size > 1:
         cfg.model.attn_implementation = cp.ATTENTION  # K/V all-gathered over the cp group (common/cp.py)
-    hf_config = load_model_config(cfg.model)
+    hf_config = load_model_config(cfg.model, cfg.data.seq_len)
     hf_config.use_cache = False
     cp.check_cp(cfg.data.seq_len, cp_size, True, hf_config)
     model = build_meta_model(hf_config, cfg.model)  # no memory yet: every tensor is on `meta`
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
                 )
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
-            if step % cfg.metrics.log_every == 0 or step == t.steps:
+            if step % cfg.metrics.log_every == 0 or step in (start_step + 1, t.steps):
                 record = {
                     "step": step,
                     "loss": loss,

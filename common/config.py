@@ -581,7 +581,9 @@ def parse_args(argv: list[str] | None = None, description: str = "", xla: bool =
 
     `xla`: whether the calling script is the PyTorch/XLA one; fsdp.xla must agree, so it is never ignored.
     """
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", required=True, help="JSON run config (see configs/)")
     parser.add_argument("--fsdp-config", help="a Transformers fsdp_config JSON; fills the fsdp section")
     parser.add_argument("--accelerate-config", help="an Accelerate YAML with an fsdp_config block")

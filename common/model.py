@@ -20,13 +20,13 @@ hf_logging.disable_progress_bar()
 
 
 def load_model_config(cfg: ModelConfig, seq_len: int | None = None) -> PretrainedConfig:
-    """The model's config, from model.config or model.name_or_path; warns when seq_len exceeds its positions."""
+    """The model's config (model.config or model.name_or_path); warns if seq_len exceeds its positions."""
     hf_config = _read_model_config(cfg)
     max_positions = getattr(hf_config, "max_position_embeddings", None)
     if seq_len and max_positions and seq_len > max_positions and os.environ.get("RANK", "0") == "0":
         print(
-            f"warning: data.seq_len ({seq_len}) exceeds the model's max_position_embeddings ({max_positions}); "
-            f"positions past it were never trained",
+            f"warning: data.seq_len ({seq_len}) exceeds the model's max_position_embeddings "
+            f"({max_positions}); positions past it were never trained",
             file=sys.stderr,
             flush=True,
         )

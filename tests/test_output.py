@@ -1,11 +1,11 @@
 """What a person sees: short human lines on the terminal, JSON in metrics.jsonl, no library noise."""
 
 import pytest
-from launch import TINY, read_metrics, run, steps
 
 from common.config import ConfigError, ModelConfig, load_config
 from common.metrics import event_line
 from common.model import load_model_config
+from launch import TINY, read_metrics, run, steps
 
 
 @pytest.fixture(scope="module")

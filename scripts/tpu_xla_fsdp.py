@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     if torch_xla is None:
         raise ConfigError(
             f"fsdp.xla is true but torch_xla is not importable ({XLA_IMPORT_ERROR}); install "
-            f"requirements-xla.txt (torch 2.9.0 + torch_xla 2.9.0) in its own environment, see README"
+            f"requirements-xla.txt (torch 2.9.0 + torch_xla 2.9.0) in its own environment, see docs/tpu.md"
         )
     if xr.process_count() > 1:
         # Multi-host TPU: DCP needs a process group to coordinate hosts (each host drives its own devices).

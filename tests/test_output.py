@@ -1,11 +1,15 @@
 """What a person sees: short human lines on the terminal, JSON in metrics.jsonl, no library noise."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from common.config import ConfigError, ModelConfig, load_config
 from common.metrics import event_line
 from common.model import load_model_config
-from launch import TINY, read_metrics, run, steps
+from launch import REPO, TINY, read_metrics, run, steps
 
 
 @pytest.fixture(scope="module")
@@ -16,17 +20,17 @@ def quiet_run(tmp_path_factory):
         ["--config", TINY, f"checkpoint.dir={run_dir}", "train.steps=6", "metrics.log_every=5"],
         nproc=0,
     )
-    return proc, read_metrics(run_dir)
+    return proc, read_metrics(run_dir), run_dir
 
 
 def test_the_first_step_is_logged_whatever_log_every(quiet_run):
-    _, records = quiet_run
+    _, records, _ = quiet_run
     assert [r["step"] for r in steps(records)] == [1, 5, 6]
     assert steps(records)[0]["loss"] > 8.0  # ln(4096) = 8.3 for an untrained model
 
 
 def test_events_are_short_lines_on_the_terminal_and_json_in_the_log(quiet_run):
-    proc, records = quiet_run
+    proc, records, _ = quiet_run
     lines = proc.stdout.splitlines()
     ready = next(line for line in lines if line.startswith("model_ready: "))
     final = next(line for line in lines if line.startswith("final: "))
@@ -38,7 +42,7 @@ def test_events_are_short_lines_on_the_terminal_and_json_in_the_log(quiet_run):
 
 
 def test_no_progress_bars_or_deprecation_warnings_from_a_run(quiet_run):
-    proc, _ = quiet_run
+    proc, _, _ = quiet_run
     for noise in ("Writing model shards", "Loading weights", "it/s]", "FutureWarning", "DeprecationWarning"):
         assert noise not in proc.stderr, proc.stderr[-2000:]
 
@@ -80,3 +84,28 @@ def test_sequences_longer_than_the_model_positions_are_warned_about(capsys):
     assert capsys.readouterr().err == ""
     load_model_config(cfg, 1024)
     assert "data.seq_len (1024) exceeds the model's max_position_embeddings (512)" in capsys.readouterr().err
+
+
+def plot(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "plot_metrics.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def test_plot_metrics_writes_one_png_per_call_overlaying_runs(quiet_run, tmp_path):
+    _, _, run_dir = quiet_run
+    assert plot(str(run_dir)).returncode == 0
+    overlay = tmp_path / "two_runs.png"
+    assert plot(str(run_dir), str(run_dir), "--out", str(overlay)).returncode == 0
+    for png in (run_dir / "metrics.png", overlay):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+def test_plot_metrics_names_a_missing_or_empty_run_in_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text('{"event": "model_ready"}\n')
+    for run_dir, message in (
+        (tmp_path / "missing", "has no metrics.jsonl"),
+        (tmp_path / "empty", "no step records"),
+    ):
+        proc = plot(str(run_dir))
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr

@@ -135,7 +135,7 @@ def test_misplaced_xla_config_is_one_line_and_exit_2(tmp_path, script, overrides
 def xla_run(run_dir, *overrides: str) -> list[dict]:
     if not os.path.exists(XLA_PYTHON):
         reason = open(XLA_UNAVAILABLE).read().strip() if os.path.exists(XLA_UNAVAILABLE) else "not created"
-        pytest.skip(f"no PyTorch/XLA environment at {XLA_PYTHON} ({reason}); see README, 'TPU / PyTorch/XLA'")
+        pytest.skip(f"no PyTorch/XLA environment at {XLA_PYTHON} ({reason}); see docs/tpu.md")
     cmd = [
         XLA_PYTHON,
         os.path.join(REPO, "scripts", "tpu_xla_fsdp.py"),

@@ -172,7 +172,7 @@ def test_moe_sbatch_runs_expert_parallel_across_two_nodes(slurm_env, tmp_path):
 
 
 def test_two_torchrun_agents_rendezvous_without_slurm(tmp_path):
-    """docs/slurm.md's multi-node recipe without Slurm, two agents on one host: --nnodes 2 with a c10d rendezvous."""
+    """docs/slurm.md's multi-node recipe without Slurm: two agents, --nnodes 2, a c10d rendezvous."""
     port = 29000 + os.getpid() % 1000
     cmd = [
         "torchrun",

@@ -336,17 +336,24 @@ def _parse_scalar(text: str) -> Any:
         return text
 
 
-def _merge_sources(sources: list[tuple[str, dict]], section: str) -> dict:
-    merged: dict = {}
+def _layer_sources(run_config: dict, externals: list[tuple[str, dict]], section: str, changes: list) -> dict:
+    """The run config's keys, with the external FSDP/Accelerate sources on top (the more specific wins).
+    External sources must agree with each other: neither is more specific than the other."""
+    external: dict = {}
     origin: dict = {}
-    for name, values in sources:
+    for name, values in externals:
         for key, value in values.items():
-            if key in merged and _canonical(key, merged[key]) != _canonical(key, value):
+            if key in external and _canonical(key, external[key]) != _canonical(key, value):
                 raise ConfigError(
-                    f"{section}.{key} is {merged[key]!r} in {origin[key]} but {value!r} in {name}; "
-                    f"give it in one place only"
+                    f"{section}.{key} is {external[key]!r} in {origin[key]} but {value!r} in {name}; "
+                    f"give it in one of them only"
                 )
-            merged[key], origin[key] = value, name
+            external[key], origin[key] = value, name
+    merged = dict(run_config)
+    for key, value in external.items():
+        if key in merged and _canonical(key, merged[key]) != _canonical(key, value):
+            changes.append(f"{section}.{key} {merged[key]!r} -> {value!r} ({origin[key]})")
+        merged[key] = value
     return merged
 
 
@@ -405,17 +412,23 @@ def layer_class_names(fsdp: FsdpConfig) -> list[str]:
     return _class_names(fsdp.transformer_layer_cls_to_wrap)
 
 
-def apply_override(cfg: Config, item: str) -> None:
-    """`section.key=value`; dict-valued keys such as `model.config` take deeper paths."""
+def apply_override(cfg: Config, item: str, changes: list | None = None) -> None:
+    """`section.key=value`; dict-valued keys such as `model.config` take deeper paths. A value that
+    differs from the one it replaces is noted in `changes`."""
     if "=" not in item:
         raise ConfigError(f"override '{item}' is not key.path=value (e.g. train.steps=20)")
     path, text = item.split("=", 1)
     *parents, leaf = path.split(".")
+    if parents == ["fsdp"] and leaf in FSDP1_ONLY_KEYS:
+        raise ConfigError(
+            f"override '{item}' is an FSDP1 option with no FSDP2 meaning: {FSDP1_ONLY_KEYS[leaf]}"
+        )
     obj: Any = cfg
     for depth, name in enumerate(parents + [leaf]):
         is_leaf = depth == len(parents)
         if isinstance(obj, dict):
             if is_leaf:
+                _note_change(changes, path, obj.get(name), _parse_scalar(text))
                 obj[name] = _parse_scalar(text)
                 return
             obj = obj.setdefault(name, {})
@@ -427,9 +440,15 @@ def apply_override(cfg: Config, item: str) -> None:
         if is_leaf:
             if dataclasses.is_dataclass(getattr(obj, name)):
                 raise ConfigError(f"override '{item}' names a section; name one of its keys instead")
+            _note_change(changes, path, getattr(obj, name), _parse_scalar(text))
             setattr(obj, name, _parse_scalar(text))
             return
         obj = getattr(obj, name)
+
+
+def _note_change(changes: list | None, path: str, old: Any, new: Any) -> None:
+    if changes is not None and old != new:
+        changes.append(f"{path} {old!r} -> {new!r} (key=value)")
 
 
 def _check_type(section: str, key: str, value: Any, kinds: tuple, fix: str) -> None:
@@ -589,7 +608,15 @@ def parse_args(argv: list[str] | None = None, description: str = "", xla: bool =
     parser.add_argument("--accelerate-config", help="an Accelerate YAML with an fsdp_config block")
     parser.add_argument("overrides", nargs="*", help="key.path=value, value parsed as JSON")
     args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.overrides, args.fsdp_config, args.accelerate_config, os.environ)
+    changes: list[str] = []
+    cfg = load_config(
+        args.config, args.overrides, args.fsdp_config, args.accelerate_config, os.environ, changes
+    )
+    if changes and os.environ.get("RANK", "0") == "0":
+        print(
+            f"config: {len(changes)} value(s) changed by a more specific source: {'; '.join(changes)}",
+            flush=True,
+        )
     if cfg.fsdp.xla and not xla:
         raise ConfigError(
             "fsdp.xla is true, which is the PyTorch/XLA recipe: run scripts/tpu_xla_fsdp.py, or set "
@@ -622,12 +649,18 @@ def load_config(
     fsdp_config: str | None = None,
     accelerate_config: str | None = None,
     environ: dict | None = None,
+    changes: list | None = None,
 ) -> Config:
+    """Sources from lowest to highest: defaults, the --config file, the external FSDP config
+    (--fsdp-config, --accelerate-config or the accelerate launch environment), key=value overrides.
+    Each value a higher source changed is appended to `changes` as one short text."""
+    changes = [] if changes is None else changes
     values = _read_json(path, "--config")
     cfg = Config()
     fsdp_section = values.pop("fsdp", {}) or {}
     _fill(cfg, values, "")
-    sources = [(f"{path} (fsdp)", normalize_fsdp_keys(fsdp_section, f"{path} (fsdp)"))]
+    run_fsdp = normalize_fsdp_keys(fsdp_section, f"{path} (fsdp)")
+    sources = []
     if fsdp_config:
         sources.append(
             (fsdp_config, normalize_fsdp_keys(_read_json(fsdp_config, "--fsdp-config"), fsdp_config))
@@ -643,8 +676,8 @@ def load_config(
     launch_env = accelerate_launch_env(environ or {})
     if launch_env:
         sources.append(("the accelerate launch environment", launch_env))
-    _fill(cfg.fsdp, _merge_sources(sources, "fsdp"), "fsdp.")
-    parallelism = [(f"{path} (parallelism)", values.get("parallelism", {}))]
+    _fill(cfg.fsdp, _layer_sources(run_fsdp, sources, "fsdp", changes), "fsdp.")
+    parallelism = []
     if accelerate_config:
         block = _read_yaml(accelerate_config).get("parallelism_config") or {}
         parallelism.append((accelerate_config, accelerate_parallelism(block, accelerate_config)))
@@ -656,9 +689,12 @@ def load_config(
                 accelerate_parallelism(exported, "the accelerate launch environment"),
             )
         )
-    _fill(cfg.parallelism, _merge_sources(parallelism, "parallelism"), "parallelism.")
+    run_parallelism = values.get("parallelism", {})
+    _fill(
+        cfg.parallelism, _layer_sources(run_parallelism, parallelism, "parallelism", changes), "parallelism."
+    )
     for item in overrides:
-        apply_override(cfg, item)
+        apply_override(cfg, item, changes)
     validate(cfg)
     return cfg
 

@@ -7,7 +7,7 @@ import re
 import pytest
 import yaml
 
-from common.config import ConfigError, load_config, run_cli
+from common.config import ConfigError, load_config, parse_args, run_cli
 from launch import REPO, TINY, event, free_port, pretrain, read_metrics, run
 
 pretrain_script = None
@@ -76,12 +76,10 @@ def test_accelerate_parallelism_config_block_is_honoured_never_ignored(tmp_path)
         "PARALLELISM_CONFIG_SP_BACKEND": "deepspeed",
     }
     assert load_config(TINY, environ=env).parallelism.cp_size == 4
-    with pytest.raises(
-        ConfigError, match=r"parallelism.cp_size is 1 in .* \(parallelism\) but 2 in .*acc.yaml"
-    ):
-        _with_json_cp(
-            tmp_path, acc
-        )  # the run config says cp_size=1, the Accelerate file 2: neither silently wins
+    # The run config says cp_size=1, the Accelerate file 2: the more specific file wins, and says so.
+    changes = []
+    assert _with_json_cp(tmp_path, acc, changes).parallelism.cp_size == 2
+    assert changes == [f"parallelism.cp_size 1 -> 2 ({acc})"]
     for bad, message in [
         ({"parallelism_config_cp_backend": "deepspeed"}, "is not supported; only 'torch'"),
         ({"parallelism_config_cp_sizes": 2}, "did you mean 'cp_size'"),
@@ -91,11 +89,11 @@ def test_accelerate_parallelism_config_block_is_honoured_never_ignored(tmp_path)
             load_config(TINY, accelerate_config=str(acc))
 
 
-def _with_json_cp(tmp_path, acc):
+def _with_json_cp(tmp_path, acc, changes):
     config = json.load(open(TINY))
     config["parallelism"] = {"cp_size": 1}
     (tmp_path / "run.json").write_text(json.dumps(config))
-    return load_config(str(tmp_path / "run.json"), accelerate_config=str(acc))
+    return load_config(str(tmp_path / "run.json"), accelerate_config=str(acc), changes=changes)
 
 
 def test_accelerate_launch_environment_is_honoured():
@@ -224,7 +222,7 @@ def test_bad_files_are_one_line_and_exit_2(tmp_path, capsys):
                     "distributed_type: FSDP\nfsdp_config:\n  fsdp_reshard_after_forward: true\n",
                 ),
             ],
-            "give it in one place only",
+            "give it in one of them only",
         ),
         (
             ["--config", TINY, "--fsdp-config", write(tmp_path, "f3.json", {"cpu_offlaod": True})],
@@ -314,3 +312,41 @@ def test_accelerate_launch_runs_fsdp2_on_two_cpu_processes(tmp_path):
         "__0_0.distcp",
         "__1_0.distcp",
     ]
+
+
+def test_the_more_specific_source_wins_and_is_logged(tmp_path, capsys, monkeypatch):
+    """debug_llama.json sets reshard_after_forward and auto_wrap_policy; a user's Accelerate YAML differs."""
+    monkeypatch.delenv("RANK", raising=False)
+    yaml_path = write(
+        tmp_path,
+        "accelerate.yaml",
+        "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: false\n"
+        "  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n  fsdp_min_num_params: 100000\n",
+    )
+    debug_llama = os.path.join(REPO, "configs", "debug_llama.json")
+    cfg = parse_args(["--config", debug_llama, "--accelerate-config", yaml_path, "train.steps=3"])
+    assert (cfg.fsdp.reshard_after_forward, cfg.fsdp.auto_wrap_policy) == (False, "SIZE_BASED_WRAP")
+    assert cfg.train.steps == 3
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config: 3 value(s) changed by a more specific source"), (
+        lines
+    )
+    for change in (
+        "fsdp.reshard_after_forward True -> False",
+        "fsdp.auto_wrap_policy 'TRANSFORMER_BASED_WRAP'",
+        "train.steps 60 -> 3 (key=value)",
+    ):
+        assert change in lines[0], lines[0]
+    # key=value beats the external config; a key no source changes is not listed.
+    cfg = parse_args(
+        ["--config", debug_llama, "--accelerate-config", yaml_path, "fsdp.reshard_after_forward=true"]
+    )
+    assert cfg.fsdp.reshard_after_forward is True
+    assert "fsdp.reshard_after_forward False -> True (key=value)" in capsys.readouterr().out
+    parse_args(["--config", debug_llama])
+    assert capsys.readouterr().out == ""
+
+
+def test_an_fsdp1_key_given_as_key_value_names_its_fsdp2_replacement():
+    with pytest.raises(ConfigError, match="FSDP1 option with no FSDP2 meaning: use reshard_after_forward"):
+        load_config(TINY, ["fsdp.sharding_strategy=FULL_SHARD"])

@@ -33,11 +33,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    dataset: str | list = (
-        "embedded"  # "embedded", local files (json/jsonl/parquet/txt), or a hub dataset name
-    )
-    # SFT (finetune_moe_ep_fsdp.py): JSONL of prompt/completion or messages records, or "arithmetic" (built
-    # in)
+    # "embedded", local files (json/jsonl/parquet/txt), or a hub dataset name
+    dataset: str | list = "embedded"
+    # SFT: JSONL of prompt/completion or chat-messages records, or the built-in "arithmetic" task
     eval_dataset: str | list | None = None  # SFT held-out set, evaluated before and after training
     eval_split: str = "test"  # its split, for a hub dataset
     dataset_config: str | None = None
@@ -45,9 +43,8 @@ class DataConfig:
     text_field: str = "text"
     streaming: bool = False  # hub datasets only
     pack: bool = True  # concatenate documents with EOS; false: one padded document per sample
-    document_mask: bool = (
-        False  # packed documents attend only within themselves (position ids restart after EOS)
-    )
+    # packed documents attend only within themselves (position ids restart after EOS)
+    document_mask: bool = False
     tokenizer: str | None = None  # None: the embedded byte-level BPE tokenizer
     seq_len: int = 256
     embedded_max_bytes: int = 4_000_000
@@ -57,9 +54,8 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = (
-        100  # 0: load (or init), evaluate the fixed batch and export, e.g. to convert SHARDED to FULL
-    )
+    # 0: load (or init), evaluate the fixed batch and export, e.g. to convert SHARDED to FULL
+    steps: int = 100
     global_batch_size: int = 16  # sequences per optimizer step, whatever the world size
     micro_batch_size: int = 4  # sequences per rank per forward/backward
     lr: float = 3e-4
@@ -75,13 +71,12 @@ class TrainConfig:
     gradient_checkpointing: bool = False  # the HF model's own; use fsdp.activation_checkpointing instead
     compile: bool = False  # torch.compile each transformer layer
     # Accelerate's sync_each_batch: false reduce-scatters gradients once per step, on the last micro-batch
-    # (the
-    # others accumulate unsharded gradients: fewer collectives, more memory); true, after every micro-batch.
+    # (the others accumulate unsharded gradients: fewer collectives, more memory); true, after every
+    # micro-batch.
     sync_each_batch: bool = False
     device: str = "auto"  # auto | cpu | cuda
-    stop_after: int = (
-        0  # stop (with a checkpoint) after this many steps of this run, keeping the train.steps schedule
-    )
+    # stop (with a checkpoint) after this many steps of this run, keeping the train.steps schedule
+    stop_after: int = 0
     router_aux_loss_coef: float | None = None  # MoE load-balancing loss weight; None: the model config's own
 
 
@@ -101,9 +96,8 @@ class FsdpConfig:
     xla: bool = False
     xla_fsdp_settings: dict = field(default_factory=dict)
     xla_fsdp_grad_ckpt: bool = False
-    xla_fsdp_v2: bool = (
-        True  # SPMD FSDPv2; Transformers defaults to FSDPv1, which tpu_xla_fsdp.py does not implement
-    )
+    # SPMD FSDPv2; Transformers defaults to FSDPv1, which tpu_xla_fsdp.py does not implement
+    xla_fsdp_v2: bool = True
 
 
 @dataclass
@@ -142,9 +136,8 @@ class EvalConfig:
     max_sequences: int = 64  # sequences of data.seq_len + 1 tokens evaluated, from the start of the data
     batch_size: int = 1  # sequences per data-parallel rank per forward
     load_balance: bool = True  # head-tail (zig-zag) sharding: every cp rank gets the same causal work
-    loss_chunk_tokens: int = (
-        1024  # lm_head + cross-entropy this many tokens at a time: no full-vocabulary logits
-    )
+    # lm_head + cross-entropy this many tokens at a time: no full-vocabulary logits
+    loss_chunk_tokens: int = 1024
     attention: str = "auto"  # auto (torch_cp on CUDA, else allgather) | allgather | torch_cp
 
 

@@ -29,9 +29,8 @@ CP: dict = {}
 ATTENTION = "cp_allgather"
 TORCH_ATTENTION = "cp_torch"
 # Queries per attention call. Where the causal bias must be materialised (CPU), the mask is [QUERY_BLOCK,
-# keys]:
-# 8k tokens at cp 2 peaked at 170 MB with whole 4k-query shards and 60 MB with 1024-query blocks, equally
-# fast.
+# keys]: 8k tokens at cp 2 peaked at 170 MB with whole 4k-query shards and 60 MB with 1024-query blocks,
+# equally fast.
 QUERY_BLOCK = 1024
 
 

@@ -26,9 +26,8 @@ from common.config import ConfigError, DataConfig
 PAD = -1  # marks padding inside the cached array; it becomes pad_token_id in inputs and -100 in labels
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
-EMBEDDED_CORPUS = (
-    f"stdlib{sys.version_info[0]}.{sys.version_info[1]}-v2"  # bump when the corpus selection changes
-)
+# bump when the corpus selection changes
+EMBEDDED_CORPUS = f"stdlib{sys.version_info[0]}.{sys.version_info[1]}-v2"
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 
 
@@ -208,9 +207,8 @@ class Batch:
     input_ids: torch.Tensor  # [micro_batch, seq_len]
     labels: torch.Tensor  # [micro_batch, seq_len], -100 where no loss is taken
     sample_ids: list[int]  # global sample positions, for tests and resumption
-    position_ids: torch.Tensor | None = (
-        None  # restart at 0 per packed example (SFT) or document (document_mask)
-    )
+    # restart at 0 per packed example (SFT) or document (document_mask)
+    position_ids: torch.Tensor | None = None
     token_mask: torch.Tensor | None = None  # SFT: True for real tokens, False for padding
 
 

@@ -57,8 +57,7 @@ def init_distributed(device_preference: str, timeout_minutes: float) -> Dist:
     if "RANK" in os.environ:
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
     else:
-        # A plain `python script.py` run: a one-rank group, so the FSDP code path is the same as under
-        # torchrun.
+        # A plain `python script.py` run: a one-rank group, so FSDP runs the same code as under torchrun.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), device)
 

@@ -146,8 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     batch = data.fixed_batch(num)  # the first `num` sequences, unshuffled; labels already shifted
     with torch.no_grad():
         for first in range(0, num, per_step):
-            # Every rank runs every step (FSDP's all-gathers need all ranks); rows past the end have no
-            # targets.
+            # Every rank runs every step (FSDP's all-gathers need all ranks); rows past the end score nothing.
             index = [first + dp_rank * e.batch_size + i for i in range(e.batch_size)]
             rows = [i if i < num else 0 for i in index]
             input_ids, labels = batch.input_ids[rows], batch.labels[rows].clone()

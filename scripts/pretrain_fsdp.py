@@ -232,8 +232,7 @@ def main(argv: list[str] | None = None) -> None:
             if maybe_inject_fault("nan", step, run_dir):
                 loss = math.nan
             if not math.isfinite(loss):
-                # Every rank sees the same all-reduced loss, so all stop here, before any checkpoint is
-                # written.
+                # Every rank sees the same all-reduced loss, so all stop here, before writing a checkpoint.
                 raise SystemExit(
                     f"loss is {loss} at step {step}; stopping without saving, the last checkpoint is "
                     f"intact (try a lower train.lr or train.max_grad_norm)"

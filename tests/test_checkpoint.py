@@ -146,8 +146,7 @@ def test_a_hung_rank_ends_the_job_within_the_collective_timeout(tmp_path):
 def test_checkpoints_of_another_model_are_refused_with_a_clear_message(tmp_path):
     pretrain(tmp_path, "train.steps=2", "checkpoint.export=false")
     # Two plain processes, not torchrun: torchrun stops the others when the first rank exits, and this test
-    # must
-    # see every rank refuse the checkpoint by itself.
+    # must see every rank refuse the checkpoint by itself.
     cmd = [
         sys.executable,
         os.path.join(REPO, "scripts", "pretrain_fsdp.py"),

@@ -55,8 +55,7 @@ def test_local_files_are_packed_with_eos_between_documents(tmp_path, fmt):
         for t in tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     ]
     assert rows.shape[1] == 33
-    # Rows overlap by one token (the last target of a row is the first input of the next) and cover the
-    # stream.
+    # Rows overlap by one token (a row's last target is the next row's first input) and cover the stream.
     np.testing.assert_array_equal(rows[:, 1:].reshape(-1), stream[1 : 1 + rows.shape[0] * 32])
     np.testing.assert_array_equal(rows[1:, 0], rows[:-1, -1])
 

@@ -66,8 +66,7 @@ def test_cp1_equals_plain_transformers(export, cp1):
         (4, ["parallelism.cp_size=4"], "export"),
         (4, ["parallelism.cp_size=2"], "export"),  # dp 2 x cp 2
         # The training checkpoint checkpoints/step-3 (DCP of model + optimizer, config and tokenizer beside
-        # it) is
-        # read directly, resharded to cp 2, and scores what its export scores.
+        # it) is read directly, resharded to cp 2, and scores what its export scores.
         (2, ["parallelism.cp_size=2"], "step-3"),
     ],
     ids=["cp2", "cp2-no-load-balance", "cp4", "dp2xcp2", "cp2-training-checkpoint"],

@@ -24,7 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.launch import TINY, last_step, run_recipe
+from tests.launch import TINY, last_step, run_recipe
 
 OVERRIDES = [
     "model.config.intermediate_size=130",
@@ -37,7 +37,7 @@ OVERRIDES = [
 def padded_param_bytes(world: int, element_size: int = 4) -> int:
     from transformers import LlamaConfig
 
-    from common.config import load_config
+    from common.config_sources import load_config
     from common.model import build_meta_model
 
     cfg = load_config(TINY, OVERRIDES)

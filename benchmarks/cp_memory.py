@@ -20,7 +20,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.launch import REPO, TINY, tiny
+from tests.launch import REPO, TINY, tiny
 
 MODEL = [
     "model.config.hidden_size=256",

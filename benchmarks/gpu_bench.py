@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.launch import REPO, steady_step
+from tests.launch import REPO, steady_step
 
 LLAMA_1B = [
     "model.config.hidden_size=2048",

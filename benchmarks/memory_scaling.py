@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.launch import final, last_step, run_recipe, tiny
+from tests.launch import final, last_step, run_recipe, tiny
 
 MODEL = [
     "model.config.hidden_size=512",

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from benchmarks.launch import run_recipe, steady_step
+from tests.launch import run_recipe, steady_step
 
 COLLECTIVE_BYTES = 64 * 2**20
 
@@ -155,9 +155,8 @@ def main() -> None:
     ]
     per_rank = [f"train.micro_batch_size={args.micro_batch}"]
     two = run_recipe(2, [*model, *per_rank, f"train.global_batch_size={2 * args.micro_batch}"])
-    one = run_recipe(
-        1, [*model, *per_rank, f"train.global_batch_size={args.micro_batch}"]
-    )  # rank 0's share, alone
+    # rank 0's share, alone
+    one = run_recipe(1, [*model, *per_rank, f"train.global_batch_size={args.micro_batch}"])
     ready = next(r for r in two if r.get("event") == "model_ready")
     step2, step1 = steady_step(two), steady_step(one)
     step_time = step2["tokens"] / step2["tokens_per_s"]

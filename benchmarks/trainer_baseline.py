@@ -267,9 +267,8 @@ def main() -> None:
         raise SystemExit(f"Accelerate chose {trainer.accelerator.distributed_type}, not FSDP")
     trainer.train()
 
-    timed = (
-        len(probe.times) - a.timing_warmup
-    )  # from the end of the last warmup step to the end of the last step
+    # from the end of the last warmup step to the end of the last step
+    timed = len(probe.times) - a.timing_warmup
     elapsed = probe.times[-1] - probe.times[a.timing_warmup - 1]
     tokens_per_step = a.global_batch_size * a.seq_len  # packed rows: every target counts
     peaks, load_peaks = gather(round(peak_memory_bytes(CPU) / GIB, 4)), gather(round(probe.load_peak, 4))

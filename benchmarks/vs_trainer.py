@@ -24,7 +24,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.launch import REPO, run_recipe
+from tests.launch import REPO, run_recipe
 
 MODEL = {
     "vocab_size": 4096,

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shutil
-import signal
 
 import torch
 import torch.distributed as dist
@@ -25,82 +24,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from common.config import Config, ConfigError, resolve_mixed_precision
+from common.faults import inject_fault
 from common.model import init_weights
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TRAIN_STATE = "train_state.json"
 WRITER_THREADS = 4
-
-
-def maybe_inject_fault(point: str, step: int, run_dir: str) -> bool:
-    """Test hook for crash recovery: FSDP2_RECIPES_FAULT=<point>@<step>[:<rank>], point kill|save|hang|nan.
-
-    kill SIGKILLs the rank at the start of that step, save SIGKILLs it inside that step's checkpoint write
-    (after the data, before the rename), hang stops it in place, nan returns True so the caller poisons the
-    loss. Each fires once per run directory, so a restarted job gets past it.
-    """
-    spec = os.environ.get("FSDP2_RECIPES_FAULT", "")
-    match = re.fullmatch(r"(kill|save|hang|nan)@(\d+)(?::(\d+))?", spec)
-    if not match or match[1] != point or int(match[2]) != step:
-        return False
-    if match[3] is not None and int(match[3]) != dist.get_rank():
-        return False
-    marker = os.path.join(run_dir, f".fault-{spec.replace(':', '-')}-rank{dist.get_rank()}")
-    if os.path.exists(marker):
-        return False
-    open(marker, "w").close()
-    if point == "nan":
-        return True
-    if point == "hang":
-        signal.pause()
-    os.kill(os.getpid(), signal.SIGKILL)
-    return False
-
-
-class PreemptionWatch:
-    """Asks for a checkpoint-and-exit at the next step boundary.
-
-    Two triggers: SIGUSR1 delivered to a training process, or the file named by FSDP2_RECIPES_PREEMPT_FILE
-    appearing. Slurm signals the batch shell (`--signal=B:USR1@120`), which creates that file, because
-    torchrun's agent dies on SIGUSR1 instead of forwarding it. Ranks agree through one all-reduce per step.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device, self.signalled = device, False
-        self.file = os.environ.get("FSDP2_RECIPES_PREEMPT_FILE")
-        signal.signal(signal.SIGUSR1, self._on_signal)
-
-    def _on_signal(self, signum, frame) -> None:
-        self.signalled = True
-
-    def requested(self) -> bool:
-        local = self.signalled or bool(self.file and os.path.exists(self.file))
-        flag = torch.tensor(float(local), device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-
-def check_shared_storage(run_dir: str) -> None:
-    """Every rank must see what rank 0 writes to the run directory, or checkpoints cannot be resumed."""
-    token = [os.urandom(8).hex() if dist.get_rank() == 0 else None]
-    path = os.path.join(run_dir, ".shared-storage-check")
-    if dist.get_rank() == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(path, "w") as f:
-            f.write(token[0])
-    dist.broadcast_object_list(token, src=0)
-    try:
-        with open(path) as f:
-            seen = f.read() == token[0]
-    except OSError:
-        seen = False
-    unseen = torch.tensor(0.0 if seen else 1.0)  # a CPU tensor: gloo carries it, also beside NCCL
-    dist.all_reduce(unseen)
-    if unseen.item():
-        raise ConfigError(
-            f"checkpoint.dir {run_dir!r} is not shared: {int(unseen.item())} rank(s) cannot see "
-            f"what rank 0 writes there; put it on storage every node mounts"
-        )
 
 
 def checkpoints_dir(run_dir: str) -> str:
@@ -163,7 +92,7 @@ def save_checkpoint(
     state, _ = _training_state(model, optimizer)
     # Several writer threads per rank keep the disk busy while tensors are serialised.
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, thread_count=WRITER_THREADS))
-    maybe_inject_fault("save", step, run_dir)
+    inject_fault(step, run_dir, during_save=True)  # test hook: a crash in the middle of the write
     dist.barrier()  # every rank's shard is on disk before the checkpoint gets its final name
     if dist.get_rank() == 0:
         publish_checkpoint(tmp, final, train_state, model.config, tokenizer, keep_latest)
@@ -253,12 +182,10 @@ def load_hf_weights(
     del full
 
 
-def load_weights(model: nn.Module, cfg: Config, resume_from: str | None, init_std: float) -> None:
-    """Fill a sharded, materialised model: from the resume checkpoint (later, with the optimizer: nothing
-    here), a SHARDED export, an HF checkpoint, or a fresh world-size-independent init."""
+def load_or_init_weights(model: nn.Module, cfg: Config, init_std: float) -> None:
+    """Fill a sharded, materialised model that starts a run: from a SHARDED export, an HF checkpoint, or a
+    fresh world-size-independent init (a resumed run loads its checkpoint instead)."""
     source = cfg.model.name_or_path
-    if resume_from:
-        return
     if source and is_sharded_export(source):
         load_sharded_export(model, source)  # DCP reshards to this world size
     elif source:

@@ -12,9 +12,6 @@ import glob
 import hashlib
 import json
 import os
-import shutil
-import sys
-import sysconfig
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,52 +19,15 @@ import torch
 import torch.distributed as dist
 
 from common.config import ConfigError, DataConfig
+from common.embedded import (
+    EMBEDDED_CORPUS,
+    embedded_documents,
+    embedded_tokenizer_dir,
+    ensure_embedded_tokenizer,
+)
 
 PAD = -1  # marks padding inside the cached array; it becomes pad_token_id in inputs and -100 in labels
-EOS_TOKEN = "<|endoftext|>"
-PAD_TOKEN = "<|pad|>"
-# bump when the corpus selection changes
-EMBEDDED_CORPUS = f"stdlib{sys.version_info[0]}.{sys.version_info[1]}-v2"
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
-
-
-def _embedded_documents(max_bytes: int) -> list[str]:
-    """The Python standard library's own sources: always on disk, so the default run needs no download."""
-    root = sysconfig.get_paths()["stdlib"]
-    docs, total = [], 0
-    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
-        top = os.path.relpath(path, root).split(os.sep)[0]
-        if (
-            "site-packages" in path or "test" in top or top == "encodings"
-        ):  # tests and codec tables: not prose-like code
-            continue
-        with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read()
-        docs.append(text)
-        total += len(text)
-        if total >= max_bytes:
-            break
-    return docs
-
-
-def _train_embedded_tokenizer(docs: list[str], vocab_size: int, out_dir: str):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN, PAD_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(docs, trainer)
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN
-    )
-    hf_tok.save_pretrained(out_dir)
 
 
 def _cache_key(cfg: DataConfig, extra: str) -> str:
@@ -110,16 +70,11 @@ def file_fingerprint(files: list[str]) -> str:
     return json.dumps([(f, os.path.getsize(f), int(os.path.getmtime(f))) for f in files])
 
 
-def _embedded_tokenizer_dir(cfg: DataConfig) -> str:
-    name = f"tokenizer-{EMBEDDED_CORPUS}-{cfg.embedded_vocab_size}-{cfg.embedded_max_bytes}"
-    return os.path.join(os.path.expanduser(cfg.cache_dir), name)
-
-
 def load_tokenizer(cfg: DataConfig):
     from transformers import AutoTokenizer
 
     if cfg.tokenizer is None:
-        return AutoTokenizer.from_pretrained(_embedded_tokenizer_dir(cfg))
+        return AutoTokenizer.from_pretrained(embedded_tokenizer_dir(cfg))
     try:
         return AutoTokenizer.from_pretrained(cfg.tokenizer)
     except OSError as e:
@@ -131,7 +86,7 @@ def load_tokenizer(cfg: DataConfig):
 
 def _documents(cfg: DataConfig, files: list[str] | None) -> list[str]:
     if cfg.dataset == "embedded":
-        return _embedded_documents(cfg.embedded_max_bytes)
+        return embedded_documents(cfg.embedded_max_bytes)
     import datasets
 
     ds = datasets.load_dataset(
@@ -358,21 +313,6 @@ class StreamingBatches:
             )
             out.append(Batch(inputs, rows[:, 1:].clone(), positions, position_ids=documents))
         return out
-
-
-def ensure_embedded_tokenizer(cfg: DataConfig, is_main: bool) -> None:
-    """Rank 0 trains the embedded tokenizer once per cache; the others wait for it."""
-    tok_dir = _embedded_tokenizer_dir(cfg)
-    if cfg.tokenizer is None and is_main and not os.path.exists(tok_dir):
-        os.makedirs(os.path.dirname(tok_dir), exist_ok=True)
-        tmp = f"{tok_dir}.tmp{os.getpid()}"
-        _train_embedded_tokenizer(_embedded_documents(cfg.embedded_max_bytes), cfg.embedded_vocab_size, tmp)
-        try:
-            os.replace(tmp, tok_dir)
-        except OSError:  # another job sharing the cache finished first; its tokenizer is the same
-            shutil.rmtree(tmp, ignore_errors=True)
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def build_batches(

@@ -32,7 +32,10 @@ class Dist:
 
 
 def gather(obj) -> list:
-    """One small picklable object per rank, as a list on every rank (for per-rank logs)."""
+    """One small picklable object per rank, as a list on every rank (for per-rank logs). Without a process
+    group (one PyTorch/XLA host), the list holds this process's object only."""
+    if not dist.is_initialized():
+        return [obj]
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
@@ -191,6 +194,19 @@ def resolve_moe_sizes(p: ParallelismConfig, world_size: int, num_experts: int) -
             f"ep_size that divides {num_experts}"
         )
     return MoeSizes(replicate, fsdp, tp, ep)
+
+
+def data_parallel_rank(dense: DeviceMesh) -> int:
+    """Which batch this rank reads: its (dp_replicate, fsdp) position; tp peers read the same one."""
+    replicate_rank, fsdp_rank, _ = dense.get_coordinate()
+    return replicate_rank * dense["fsdp"].size() + fsdp_rank
+
+
+def fsdp_meshes(dense: DeviceMesh, expert: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
+    """What FSDP shards over in each view: (dp_replicate, fsdp) for dense weights, (dp_replicate, efsdp)
+    for experts; dp_replicate only with more than one replica (fully_shard then replicates over it)."""
+    replicate = ("dp_replicate",) if dense["dp_replicate"].size() > 1 else ()
+    return dense[(*replicate, "fsdp")], expert[(*replicate, "efsdp")]
 
 
 def build_moe_meshes(device_type: str, s: MoeSizes) -> tuple[DeviceMesh, DeviceMesh]:

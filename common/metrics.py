@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import resource
@@ -10,6 +11,11 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from common.config import Config, FsdpConfig, resolve_mixed_precision
+from common.mesh import gather
+
+GIB = 2**30
 
 # Dense bf16 peak FLOP/s per device, from the vendors' datasheets (no sparsity).
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
@@ -22,12 +28,13 @@ def device_peak_flops(device: torch.device) -> float | None:
     return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
-def flops_per_token(
-    num_params: int, num_embedding_params: int, num_layers: int, hidden: int, seq_len: int
-) -> float:
+def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     """Training FLOPs per token: 6 * N (N without the input embedding, a lookup) + 12 * L * H * S (attention
     scores and values, forward + backward). The same formula as PaLM's appendix B and torchtitan."""
-    return 6 * (num_params - num_embedding_params) + 12 * num_layers * hidden * seq_len
+    config = model.config
+    num_params = sum(p.numel() for p in model.parameters())
+    dense = num_params - model.get_input_embeddings().weight.numel()
+    return 6 * dense + 12 * config.num_hidden_layers * config.hidden_size * seq_len
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -38,9 +45,8 @@ def peak_memory_bytes(device: torch.device) -> int:
         with open("/proc/self/status") as f:
             return int(next(line for line in f if line.startswith("VmHWM:")).split()[1]) * 1024
     except (OSError, StopIteration):
-        return (
-            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        )  # not Linux: peak since start, in KiB
+        # not Linux: peak since start, in KiB
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -79,17 +85,21 @@ def event_line(record: dict) -> str:
 
 
 class MetricsLogger:
-    """Rank 0 writes; other ranks hold a logger that does nothing, so call sites need no rank checks."""
+    """Rank 0 writes run_config.json (the resolved config) and metrics.jsonl; other ranks hold a logger that
+    does nothing, so call sites need no rank checks."""
 
-    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool):
+    def __init__(self, cfg: Config, enabled: bool):
         self.enabled = enabled
         self.file = None
         self.tb = None
         if not enabled:
             return
+        run_dir = cfg.checkpoint.dir
         os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "run_config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
         self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-        if tensorboard:
+        if cfg.metrics.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -134,20 +144,34 @@ class MetricsLogger:
 class StepTimer:
     """Tokens/s, MFU and ETA from wall time between logged steps."""
 
-    def __init__(self, total_steps: int, flops_per_token: float, peak_flops: float | None, world_size: int):
+    def __init__(
+        self,
+        total_steps: int,
+        world_size: int,
+        flops_per_token: float | None = None,
+        peak_flops: float | None = None,
+    ):
         self.total_steps, self.flops_per_token = total_steps, flops_per_token
         self.peak_flops, self.world_size = peak_flops, world_size
         self.start = self.last = time.perf_counter()
         self.tokens_since = 0
 
-    def record(self, step: int, tokens: int) -> dict:
+    def add(self, tokens: int) -> None:
+        """Count a step's tokens (every step; record() turns them into rates)."""
         self.tokens_since += tokens
+
+    def record(self, step: int) -> dict:
+        """Rates since the last record; `step` counts the steps this run has done (for the ETA)."""
         now = time.perf_counter()
         elapsed, self.last = now - self.last, now
         tps = self.tokens_since / max(elapsed, 1e-9)
         self.tokens_since = 0
         per_device = tps / self.world_size
-        mfu = per_device * self.flops_per_token / self.peak_flops if self.peak_flops else None
+        mfu = (
+            per_device * self.flops_per_token / self.peak_flops
+            if self.peak_flops and self.flops_per_token
+            else None
+        )
         eta = (now - self.start) / step * (self.total_steps - step)
         return {"tokens_per_s": tps, "tokens_per_s_per_device": per_device, "mfu": mfu, "eta_s": eta}
 
@@ -203,3 +227,26 @@ def sharded_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer
         if isinstance(v, torch.Tensor) and v.ndim > 0
     )
     return {"param_bytes": params, "optimizer_bytes": optim}
+
+
+def final_record(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict:
+    """The `final` event's memory numbers, for every rank: sharded state bytes and the run's peak memory."""
+    return {
+        "event": "final",
+        "state_bytes_per_rank": gather(sharded_state_bytes(model, optimizer)),
+        "peak_mem_gib_per_rank": gather(peak_memory_bytes(device) / GIB),
+    }
+
+
+def model_ready(model: torch.nn.Module, device: torch.device, fsdp: FsdpConfig, mesh, **details) -> dict:
+    """The `model_ready` event: parameters, where they live, the memory each rank holds after loading."""
+    return {
+        "event": "model_ready",
+        "params": sum(p.numel() for p in model.parameters()),
+        "world_size": dist.get_world_size(),
+        "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)),
+        "device": str(device),
+        "mixed_precision": resolve_mixed_precision(fsdp, device.type),
+        "peak_mem_after_load_gib_per_rank": gather(peak_memory_bytes(device) / GIB),
+        **details,
+    }

@@ -22,6 +22,9 @@ hf_logging.disable_progress_bar()
 def load_model_config(cfg: ModelConfig, seq_len: int | None = None) -> PretrainedConfig:
     """The model's config (model.config or model.name_or_path); warns if seq_len exceeds its positions."""
     hf_config = _read_model_config(cfg)
+    # No KV cache in training or evaluation: it costs memory, and with one Transformers stops detecting
+    # packed sequences from restarting position ids.
+    hf_config.use_cache = False
     max_positions = getattr(hf_config, "max_position_embeddings", None)
     if seq_len and max_positions and seq_len > max_positions and os.environ.get("RANK", "0") == "0":
         print(
@@ -58,15 +61,21 @@ def _read_model_config(cfg: ModelConfig) -> PretrainedConfig:
     return hf_config
 
 
-def build_meta_model(hf_config: PretrainedConfig, cfg: ModelConfig) -> nn.Module:
-    """The model's structure only: no memory is allocated until after sharding."""
+def build_meta_model(
+    hf_config: PretrainedConfig, cfg: ModelConfig, gradient_checkpointing: bool = False
+) -> nn.Module:
+    """The model's structure only: no memory is allocated until after sharding. gradient_checkpointing is
+    the model's own (train.gradient_checkpointing); fsdp.activation_checkpointing is the FSDP way."""
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(
+        model = AutoModelForCausalLM.from_config(
             hf_config,
             attn_implementation=cfg.attn_implementation,
             trust_remote_code=cfg.trust_remote_code,
             dtype=torch.float32,
         )
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 def _is_norm(module: nn.Module) -> bool:

@@ -17,7 +17,7 @@ import random
 import numpy as np
 import torch
 
-from common.config import ConfigError, DataConfig
+from common.config import ConfigError, DataConfig, EvalConfig
 from common.data import LOCAL_FORMATS, Batch, LocalBatches, file_fingerprint, local_files, prepare_local_data
 
 ARITHMETIC = "arithmetic"  # the built-in task: "17+25=" -> "42", generated, with a disjoint held-out split
@@ -188,10 +188,14 @@ def build_sft_batches(
 
 
 def eval_batches(
-    cfg: DataConfig, tokenizer, max_rows: int, batch_size: int, dp_rank: int, dp_size: int, is_main: bool
+    cfg: DataConfig, e: EvalConfig, tokenizer, dp_rank: int, dp_size: int, is_main: bool
 ) -> list[Batch]:
-    """This rank's share of the held-out rows. Every rank gets the same number of batches (short ones are
-    filled with rows that carry no labels), because each forward is a collective under FSDP and EP."""
+    """This rank's share of the held-out rows (none without data.eval_dataset). Every rank gets the same
+    number of batches (short ones are filled with rows that carry no labels), because each forward is a
+    collective under FSDP and EP."""
+    if not cfg.eval_dataset:
+        return []
+    max_rows, batch_size = e.max_sequences, e.batch_size
     build = lambda: _tokenize_sft(cfg, tokenizer, cfg.eval_dataset, cfg.eval_split)
     path = prepare_local_data(
         cfg, is_main, build, tag=_cache_tag(cfg.eval_dataset, cfg.eval_split, tokenizer)

@@ -128,8 +128,9 @@ def apply_fsdp(
     compile_layers: bool = False,
     experts: list[nn.Module] = (),
     expert_mesh: DeviceMesh | None = None,
-) -> int:
-    """Shard `model` in place per the fsdp config; returns the number of FSDP units (root included).
+) -> dict:
+    """Shard `model` in place per the fsdp config; returns {"fsdp_units": units (root included),
+    "compiled_layers": layers compiled}, for the run's log.
 
     `experts` (expert-parallel modules) each become a unit on `expert_mesh`, whatever the wrap policy:
     their parameters are already split over `ep`, and FSDP shards them further over the mesh's other dims.
@@ -140,12 +141,14 @@ def apply_fsdp(
         _replace_layers(
             model, layer_classes, lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
         )
+    compiled = 0
     if compile_layers:
         for module in model.modules():
             if _layer_name(module) in layer_classes and not isinstance(
                 getattr(module, "_orig_mod", None), nn.Module
             ):
                 module.compile()  # in place, so parameter names (and checkpoints) stay the same
+                compiled += 1
     dtypes = resolve_mixed_precision(fsdp, device_type)
     mp_policy = MixedPrecisionPolicy(
         param_dtype=getattr(torch, dtypes["param_dtype"]), reduce_dtype=getattr(torch, dtypes["reduce_dtype"])
@@ -172,4 +175,4 @@ def apply_fsdp(
         # averaged. Forcing SUM also avoids PREMUL_SUM/AVG, which gloo lacks.
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
-    return len(experts) + len(units) + 1
+    return {"fsdp_units": len(experts) + len(units) + 1, "compiled_layers": compiled}

@@ -32,10 +32,11 @@ from torch.distributed.tensor.experimental._attention import _cp_options, set_ro
 
 from common import cp
 from common.checkpoint import is_sharded_export, load_hf_weights, load_sharded_export
-from common.config import ConfigError, parse_args, run_cli
+from common.config import Config, ConfigError
+from common.config_sources import parse_args, run_cli
 from common.data import build_batches
 from common.mesh import build_dp_mesh, gather, init_distributed, resolve_device
-from common.metrics import peak_memory_bytes, reset_peak_memory
+from common.metrics import GIB, event_line, peak_memory_bytes, reset_peak_memory
 from common.model import build_meta_model, init_buffers, load_model_config
 from common.wrap import apply_fsdp, resolve_layer_classes
 
@@ -59,11 +60,10 @@ def head_loss(model, hidden: torch.Tensor, labels: torch.Tensor, chunk: int) -> 
     return loss_sum, valid, correct
 
 
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse_args(argv, description=__doc__)
+def check_config(cfg: Config, world_size: int) -> str:
+    """Bad sizes and keys fail here, before any process group or memory; returns the attention to use."""
     p, e = cfg.parallelism, cfg.eval
     cp.check_cp(cfg.data.seq_len, p.cp_size, e.load_balance)
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
     for key in ("sp_size", "tp_size", "ep_size", "dp_replicate_size"):
         if getattr(p, key) != 1:  # never silently ignored
             raise ConfigError(
@@ -76,19 +76,16 @@ def main(argv: list[str] | None = None) -> None:
             f"parallelism.dp_shard_size is {p.dp_shard_size} but world size {world_size} / cp_size "
             f"{p.cp_size} leaves {world_size // p.cp_size} data-parallel ranks; set it to -1"
         )
-    device_type = resolve_device(cfg.train.device).type
     attention = e.attention
+    on_cuda = resolve_device(cfg.train.device).type == "cuda"
     if attention == "auto":
-        plain_causal = p.cp_size > 1 and not cfg.data.document_mask
-        attention = "torch_cp" if device_type == "cuda" and plain_causal else "allgather"
-    if attention not in ("allgather", "torch_cp"):
-        raise ConfigError(f"eval.attention is {e.attention!r}; use auto, allgather or torch_cp")
+        attention = "torch_cp" if on_cuda and p.cp_size > 1 and not cfg.data.document_mask else "allgather"
     if attention == "torch_cp" and cfg.data.document_mask:
         raise ConfigError(
             "eval.attention is 'torch_cp' but data.document_mask is true; torch's context_parallel "
             "supports plain causal attention only, so use auto or allgather"
         )
-    if attention == "torch_cp" and device_type != "cuda":
+    if attention == "torch_cp" and not on_cuda:
         raise ConfigError(
             "eval.attention is 'torch_cp', which needs CUDA SDPA kernels (torch has no CP sharding "
             "rule for the CPU kernel); use auto or allgather"
@@ -102,22 +99,63 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.data.tokenizer is None and os.path.exists(
         os.path.join(cfg.model.name_or_path, "tokenizer_config.json")
     ):
-        cfg.data.tokenizer = (
-            cfg.model.name_or_path
-        )  # evaluate with the tokenizer the checkpoint was trained with
+        cfg.data.tokenizer = cfg.model.name_or_path  # the tokenizer the checkpoint was trained with
     cfg.model.attn_implementation = cp.TORCH_ATTENTION if attention == "torch_cp" else cp.ATTENTION
-    hf_config = load_model_config(cfg.model, cfg.data.seq_len)
-    cp.check_cp(cfg.data.seq_len, p.cp_size, e.load_balance, hf_config)
-    model = build_meta_model(hf_config, cfg.model)
-    resolve_layer_classes(model, cfg.fsdp)
+    return attention
 
+
+def forward_shard(model, input_ids, labels, position_ids, attention: str, cp_mesh, positions) -> torch.Tensor:
+    """Run the model on this cp rank's share of every sequence; returns the labels of its positions."""
+    if attention == "torch_cp":  # torch shards the three buffers in place, then runs ring attention
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).repeat(len(input_ids), 1)
+        buffers = [input_ids, labels, position_ids]
+        with context_parallel(
+            cp_mesh["cp"], buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)
+        ):
+            model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=1, use_cache=False)
+        return labels
+    # All-gather attention: this rank's positions, by index. With data.document_mask the position ids restart
+    # per document, and the attention masks by them.
+    position_ids = (
+        positions.expand(len(input_ids), -1) if position_ids is None else position_ids[:, positions]
+    )
+    model(input_ids=input_ids[:, positions], position_ids=position_ids, logits_to_keep=1, use_cache=False)
+    return labels[:, positions]
+
+
+def summarize(totals: torch.Tensor, seconds: float, **details) -> dict:
+    loss_sum, tokens, correct = totals.tolist()
+    return {
+        "eval_loss": loss_sum / tokens,
+        "perplexity": math.exp(loss_sum / tokens),
+        "accuracy": correct / tokens,
+        "tokens": int(tokens),
+        "tokens_per_s": tokens / seconds,
+        **details,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args(argv, description=__doc__)
+    p, e, seq_len = cfg.parallelism, cfg.eval, cfg.data.seq_len
+    attention = check_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    hf_config = load_model_config(cfg.model, seq_len)
+    cp.check_cp(seq_len, p.cp_size, e.load_balance, hf_config)
+    model = build_meta_model(hf_config, cfg.model)  # on `meta`: no memory yet
+    resolve_layer_classes(model, cfg.fsdp)  # a bad class name fails before any process group exists
+
+    # A (dp, cp) mesh: each cp rank holds its (head-tail, with eval.load_balance) share of every sequence.
     d = init_distributed(cfg.train.device, p.timeout_minutes)
     dp_size = d.world_size // p.cp_size
-    L = cfg.data.seq_len
-    positions, dp_rank, cp_mesh = cp.setup(L, p.cp_size, e.load_balance, d.device, cfg.data.document_mask)
+    positions, dp_rank, cp_mesh = cp.setup(
+        seq_len, p.cp_size, e.load_balance, d.device, cfg.data.document_mask
+    )
     set_rotate_method(p.cp_comm_strategy)  # torch_cp only: how K/V shards travel between cp ranks
-    _cp_options.enable_load_balance = e.load_balance  # torch_cp: its head-tail shards, the same as ours
-    tokenizer, data = build_batches(cfg.data, cfg.train.seed, dp_size, 1, 0, 1, is_main=d.is_main)
+    # torch_cp only: its head-tail shards, the same as ours; torch 2.13 has no public switch for it.
+    _cp_options.enable_load_balance = e.load_balance
+    # Every rank reads all rows, unshuffled, and picks its own below.
+    whole = dict(global_batch=dp_size, micro_batch=1, dp_rank=0, dp_size=1, is_main=d.is_main)
+    tokenizer, data = build_batches(cfg.data, cfg.train.seed, **whole)
 
     # Weights sharded over every rank (dp x cp), as Accelerate does; loaded exactly like pretrain_fsdp.py.
     apply_fsdp(model, build_dp_mesh(d.device.type, 1, d.world_size), cfg.fsdp, d.device.type)
@@ -126,75 +164,49 @@ def main(argv: list[str] | None = None) -> None:
     if is_sharded_export(cfg.model.name_or_path):  # a SHARDED export or a training checkpoint: both are DCP
         load_sharded_export(model, cfg.model.name_or_path)
     else:
-        load_hf_weights(
-            model, cfg.model.name_or_path, cfg.fsdp.cpu_ram_efficient_loading, cfg.model.trust_remote_code
-        )
+        source, broadcast = cfg.model.name_or_path, cfg.fsdp.cpu_ram_efficient_loading
+        load_hf_weights(model, source, broadcast, cfg.model.trust_remote_code)
     model.eval()
     reset_peak_memory(d.device)
-    loaded = gather(
-        peak_memory_bytes(d.device) / 2**30
-    )  # right after the reset: memory held before evaluating
-    hidden = {}
+    loaded = gather(peak_memory_bytes(d.device) / GIB)  # right after the reset: what loading left behind
+    hidden = {}  # the decoder's output; the head runs chunk by chunk in head_loss, never on all tokens
     model.get_decoder().register_forward_hook(
         lambda module, args, out: hidden.update(last=out.last_hidden_state)
     )
 
     num = min(e.max_sequences, len(data.rows))
-    per_step = dp_size * e.batch_size
     totals = torch.zeros(3, dtype=torch.float64)  # loss sum, valid tokens, correct tokens
     start_time = time.perf_counter()
-    batch = data.fixed_batch(num)  # the first `num` sequences, unshuffled; labels already shifted
+    batch = data.fixed_batch(num)  # the first `num` sequences; labels already shifted on the full rows
     with torch.no_grad():
-        for first in range(0, num, per_step):
+        for first in range(0, num, dp_size * e.batch_size):
             # Every rank runs every step (FSDP's all-gathers need all ranks); rows past the end score nothing.
             index = [first + dp_rank * e.batch_size + i for i in range(e.batch_size)]
             rows = [i if i < num else 0 for i in index]
-            input_ids, labels = batch.input_ids[rows], batch.labels[rows].clone()
+            labels = batch.labels[rows].clone()
             labels[[j for j, i in enumerate(index) if i >= num]] = -100
-            input_ids, labels = input_ids.to(d.device), labels.to(d.device)
-            if attention == "torch_cp":  # torch shards the three buffers in place, then runs ring attention
-                position_ids = torch.arange(L, device=d.device).repeat(
-                    len(rows), 1
-                )  # real storage: sharded in place
-                buffers = [input_ids, labels, position_ids]
-                with context_parallel(
-                    cp_mesh["cp"], buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)
-                ):
-                    model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=1, use_cache=False)
-            else:  # with data.document_mask, position ids restart per document (the attention masks by them)
-                position_ids = (
-                    positions.expand(len(rows), -1)
-                    if batch.position_ids is None
-                    else (batch.position_ids[rows].to(d.device)[:, positions])
-                )
-                input_ids, labels = input_ids[:, positions], labels[:, positions]
-                model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=1, use_cache=False)
-            loss_sum, valid, correct = head_loss(model, hidden["last"], labels, e.loss_chunk_tokens)
-            totals += torch.tensor([loss_sum, valid, correct], dtype=torch.float64)
-    dist.all_reduce(
-        totals
-    )  # over dp x cp: token counts were never multiplied by cp, shards partition sequences
-    loss_sum, tokens, correct = totals.tolist()
-    results = {
-        "eval_loss": loss_sum / tokens,
-        "perplexity": math.exp(loss_sum / tokens),
-        "accuracy": correct / tokens,
-        "tokens": int(tokens),
-        "sequences": num,
-        "seq_len": L,
-        "cp_size": p.cp_size,
-        "dp_size": dp_size,
-        "load_balance": e.load_balance,
-        "attention": attention,
-        "tokens_per_s": tokens / (time.perf_counter() - start_time),
-        "mem_after_load_gib_per_rank": loaded,
-        "peak_mem_gib_per_rank": gather(peak_memory_bytes(d.device) / 2**30),
-    }
+            position_ids = None if batch.position_ids is None else batch.position_ids[rows].to(d.device)
+            input_ids, labels = batch.input_ids[rows].to(d.device), labels.to(d.device)
+            labels = forward_shard(model, input_ids, labels, position_ids, attention, cp_mesh, positions)
+            totals += torch.tensor(
+                head_loss(model, hidden["last"], labels, e.loss_chunk_tokens), dtype=torch.float64
+            )
+    dist.all_reduce(totals)  # over dp x cp: the cp shards partition each sequence, so no token counts twice
+    layout = dict(sequences=num, seq_len=seq_len, cp_size=p.cp_size, dp_size=dp_size, attention=attention)
+    peak = gather(peak_memory_bytes(d.device) / GIB)
+    results = summarize(
+        totals,
+        time.perf_counter() - start_time,
+        **layout,
+        load_balance=e.load_balance,
+        mem_after_load_gib_per_rank=loaded,
+        peak_mem_gib_per_rank=peak,
+    )
     if d.is_main:
         os.makedirs(cfg.checkpoint.dir, exist_ok=True)
         with open(os.path.join(cfg.checkpoint.dir, "eval_results.json"), "w") as f:
             json.dump(results, f, indent=2)
-        print(json.dumps(results), flush=True)
+        print(event_line({"event": "eval_results", **results}), flush=True)
     dist.destroy_process_group()
 
 

@@ -9,9 +9,6 @@ materialise and initialise (or load) -> train loop -> export.
 
 from __future__ import annotations
 
-import contextlib
-import json
-import math
 import os
 import sys
 
@@ -22,28 +19,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from common import cp
-from common.checkpoint import (
-    PreemptionWatch,
-    check_shared_storage,
-    export_final,
-    find_resume_checkpoint,
-    load_checkpoint,
-    load_weights,
-    maybe_inject_fault,
-    save_checkpoint,
-)
-from common.config import ConfigError, parse_args, resolve_mixed_precision, run_cli, to_dict
+from common.checkpoint import export_final, find_resume_checkpoint, load_checkpoint, load_or_init_weights
+from common.config import Config, check_batch_sizes, check_vocab_size
+from common.config_sources import parse_args, run_cli
 from common.data import Batch, build_batches
+from common.lifecycle import Bookkeeping, check_shared_storage
 from common.mesh import build_dp_mesh, gather, init_distributed, resolve_dp_sizes
 from common.metrics import (
-    CommCounter,
     MetricsLogger,
     StepTimer,
     device_peak_flops,
+    final_record,
     flops_per_token,
-    peak_memory_bytes,
+    model_ready,
     reset_peak_memory,
-    sharded_state_bytes,
 )
 from common.model import build_meta_model, init_buffers, load_model_config
 from common.optim import build_optimizer, clip_grad_norm_, lr_multiplier
@@ -78,8 +67,8 @@ def train_step(
     max_grad_norm: float,
     cp_positions: torch.Tensor | None,
     sync_each_batch: bool,
-) -> tuple[float, float, int]:
-    """One optimizer step over this rank's micro-batches; returns (mean token loss, grad norm, tokens).
+) -> dict:
+    """One optimizer step over this rank's micro-batches: mean token loss, grad norm, tokens.
 
     The loss is divided by the number of target tokens summed over all ranks and micro-batches, and FSDP
     sums gradients (see apply_fsdp), so N ranks x k micro-batches give exactly the one-process update,
@@ -102,7 +91,11 @@ def train_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     dist.all_reduce(loss_sum)
-    return (loss_sum / global_tokens).item(), grad_norm, int(global_tokens.item())
+    return {
+        "loss": (loss_sum / global_tokens).item(),
+        "grad_norm": grad_norm,
+        "tokens": int(global_tokens.item()),
+    }
 
 
 @torch.no_grad()
@@ -114,25 +107,24 @@ def fixed_batch_loss(model, batch, device, cp_positions: torch.Tensor | None) ->
     return (loss / (batch.labels != -100).sum()).item()
 
 
+def check_config(cfg: Config, world_size: int) -> tuple[int, int, int]:
+    """Bad sizes fail here, before any process group or memory: (dp_replicate, dp_shard, dp_size)."""
+    dp_replicate, dp_shard = resolve_dp_sizes(cfg.parallelism, world_size)
+    dp_size = world_size // cfg.parallelism.cp_size  # the cp ranks of a data-parallel group share its batch
+    check_batch_sizes(cfg.train, dp_size)
+    if cfg.parallelism.cp_size > 1:
+        cfg.model.attn_implementation = cp.ATTENTION  # K/V all-gathered over the cp group (common/cp.py)
+    return dp_replicate, dp_shard, dp_size
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv, description=__doc__)
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    dp_replicate, dp_shard = resolve_dp_sizes(cfg.parallelism, world_size)
-    t, cp_size = cfg.train, cfg.parallelism.cp_size
-    dp_size = world_size // cp_size  # the cp ranks of a data-parallel group share its batch
-    if t.global_batch_size % (t.micro_batch_size * dp_size):
-        raise ConfigError(
-            f"train.global_batch_size ({t.global_batch_size}) is not a multiple of micro_batch_size "
-            f"({t.micro_batch_size}) x data-parallel size ({dp_size}); make it a multiple of "
-            f"{t.micro_batch_size * dp_size}"
-        )
-    if cp_size > 1:
-        cfg.model.attn_implementation = cp.ATTENTION  # K/V all-gathered over the cp group (common/cp.py)
+    t, cp_size, run_dir = cfg.train, cfg.parallelism.cp_size, cfg.checkpoint.dir
+    dp_replicate, dp_shard, dp_size = check_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     hf_config = load_model_config(cfg.model, cfg.data.seq_len)
-    hf_config.use_cache = False
     cp.check_cp(cfg.data.seq_len, cp_size, True, hf_config)
-    model = build_meta_model(hf_config, cfg.model)  # no memory yet: every tensor is on `meta`
-    resolve_layer_classes(model, cfg.fsdp)  # fail on a bad class name before any process group exists
+    model = build_meta_model(hf_config, cfg.model, t.gradient_checkpointing)  # on `meta`: no memory yet
+    resolve_layer_classes(model, cfg.fsdp)  # a bad class name fails before any process group exists
 
     # Process group and mesh: 1-D FSDP, or 2-D (dp_replicate, dp_shard) HSDP; with CP, FSDP shards over
     # dp_shard x cp and each rank trains on its head-tail share of every sequence's positions.
@@ -145,159 +137,58 @@ def main(argv: list[str] | None = None) -> None:
 
     # Data before the model, so a missing dataset or tokenizer fails before any memory is allocated.
     tokenizer, data = build_batches(
-        cfg.data,
-        t.seed,
-        t.global_batch_size,
-        t.micro_batch_size,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        is_main=d.is_main,
+        cfg.data, t.seed, t.global_batch_size, t.micro_batch_size, dp_rank, dp_size, is_main=d.is_main
     )
-    if len(tokenizer) > hf_config.vocab_size:
-        raise ConfigError(
-            f"the tokenizer has {len(tokenizer)} tokens but model vocab_size is {hf_config.vocab_size}; "
-            f"set model.config.vocab_size >= {len(tokenizer)}"
-        )
-    run_dir = cfg.checkpoint.dir
+    check_vocab_size(len(tokenizer), hf_config.vocab_size)
     check_shared_storage(run_dir)  # multi-node: a node-local checkpoint.dir could never be resumed
 
     # Shard first, then allocate: no rank ever holds the full fp32 model.
-    if t.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    num_units = apply_fsdp(model, mesh, cfg.fsdp, d.device.type, compile_layers=t.compile)
-    param_device = torch.device("cpu") if cfg.fsdp.cpu_offload else d.device
-    model.to_empty(device=param_device)
+    sharding = apply_fsdp(model, mesh, cfg.fsdp, d.device.type, compile_layers=t.compile)
+    model.to_empty(device=torch.device("cpu") if cfg.fsdp.cpu_offload else d.device)
     init_buffers(model, d.device)
-    resume_from = find_resume_checkpoint(run_dir, cfg.checkpoint.resume)
-    load_weights(
-        model, cfg, resume_from, hf_config.initializer_range
-    )  # resume: weights come with the optimizer
-    model.train()
-    load_peaks = gather(peak_memory_bytes(d.device) / GIB)
-    reset_peak_memory(d.device)
     optimizer = build_optimizer(model, cfg, d.device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
-    start_step, samples = (
-        0,
-        0,
-    )  # samples: the global data position, so a resume on any world size continues it
-    if resume_from:
+    resume_from = find_resume_checkpoint(run_dir, cfg.checkpoint.resume)
+    start_step, samples = 0, 0  # samples: the global data position, the same on any world size
+    if resume_from:  # weights, optimizer, scheduler, RNG and data position, resharded to this world size
         state = load_checkpoint(resume_from, model, optimizer, scheduler)
         data.load_state_dict(state["data"], d.rank)
         start_step, samples = state["step"], state["samples"]
+    else:
+        load_or_init_weights(model, cfg, hf_config.initializer_range)
+    model.train()
 
-    num_params = sum(p.numel() for p in model.parameters())
-    num_embed = model.get_input_embeddings().weight.numel()
-    timer = StepTimer(
-        t.steps,
-        flops_per_token(
-            num_params, num_embed, hf_config.num_hidden_layers, hf_config.hidden_size, cfg.data.seq_len
-        ),
-        cfg.metrics.peak_flops or device_peak_flops(d.device),
-        d.world_size,
-    )
-    logger = MetricsLogger(run_dir, d.is_main, cfg.metrics.tensorboard)
-    if d.is_main:
-        with open(os.path.join(run_dir, "run_config.json"), "w") as f:
-            json.dump(to_dict(cfg), f, indent=2)
-    compiled = sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
-    logger.log(
-        {
-            "event": "model_ready",
-            "params": num_params,
-            "fsdp_units": num_units,
-            "world_size": d.world_size,
-            "compiled_layers": compiled,
-            "mesh": list(mesh.shape),
-            "device": str(d.device),
-            "mixed_precision": resolve_mixed_precision(cfg.fsdp, d.device.type),
-            "peak_mem_after_load_gib_per_rank": load_peaks,
-            "data": getattr(data, "tokens_path", None),
-            "resumed_from": resume_from,
-            "start_step": start_step,
-        }
-    )
-
-    comm = CommCounter()
-    preemption = PreemptionWatch(d.device)  # SIGUSR1 or the Slurm batch script's request file
-    with comm.patch() if cfg.metrics.comm_stats else contextlib.nullcontext():
+    logger = MetricsLogger(cfg, d.is_main)
+    details = dict(data=getattr(data, "tokens_path", None), resumed_from=resume_from, start_step=start_step)
+    logger.log(model_ready(model, d.device, cfg.fsdp, mesh, **details, **sharding))
+    reset_peak_memory(d.device)
+    peak_flops = cfg.metrics.peak_flops or device_peak_flops(d.device)
+    timer = StepTimer(t.steps, d.world_size, flops_per_token(model, cfg.data.seq_len), peak_flops)
+    parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, data=data, tokenizer=tokenizer)
+    with Bookkeeping(cfg, logger, start_step, d.device, timer, **parts) as book:
         for step in range(start_step + 1, t.steps + 1):
-            maybe_inject_fault("kill", step, run_dir)
-            maybe_inject_fault("hang", step, run_dir)
             micro_batches = data.micro_batches(samples)
-            loss, grad_norm, tokens = train_step(
+            result = train_step(
                 model, optimizer, micro_batches, d.device, t.max_grad_norm, cp_positions, t.sync_each_batch
             )
             samples += t.global_batch_size
-            if maybe_inject_fault("nan", step, run_dir):
-                loss = math.nan
-            if not math.isfinite(loss):
-                # Every rank sees the same all-reduced loss, so all stop here, before writing a checkpoint.
-                raise SystemExit(
-                    f"loss is {loss} at step {step}; stopping without saving, the last checkpoint is "
-                    f"intact (try a lower train.lr or train.max_grad_norm)"
-                )
-            lr = scheduler.get_last_lr()[0]
+            stats = {**result, "lr": scheduler.get_last_lr()[0], "samples": samples}
+            if cfg.metrics.sample_ids:
+                stats["sample_ids"] = gather([i for b in micro_batches for i in b.sample_ids])
             scheduler.step()
-            if step % cfg.metrics.log_every == 0 or step in (start_step + 1, t.steps):
-                record = {
-                    "step": step,
-                    "loss": loss,
-                    "grad_norm": grad_norm,
-                    "lr": lr,
-                    "tokens": tokens,
-                    "samples": samples,
-                    **timer.record(step - start_step, tokens),
-                    "peak_mem_gib": peak_memory_bytes(d.device) / GIB,
-                }
-                if cfg.metrics.comm_stats:
-                    record.update(comm.reset())
-                if cfg.metrics.sample_ids:
-                    record["sample_ids"] = gather([i for b in micro_batches for i in b.sample_ids])
-                logger.log(record)
-            else:
-                timer.tokens_since += tokens
-            preempted = preemption.requested()
-            stopping = preempted or (t.stop_after and step - start_step >= t.stop_after)
-            interval = cfg.checkpoint.interval
-            if (interval and step % interval == 0) or step == t.steps or stopping:
-                train_state = {
-                    "step": step,
-                    "samples": samples,
-                    "world_size": d.world_size,
-                    "loss": loss,
-                    "scheduler": scheduler.state_dict(),
-                    "data": gather(data.state_dict()),
-                }
-                path = save_checkpoint(
-                    run_dir, step, model, optimizer, train_state, cfg.checkpoint.keep_latest, tokenizer
-                )
-                logger.log({"event": "checkpoint", "step": step, "path": path})
-            if stopping and step < t.steps:
-                logger.log(
-                    {
-                        "event": "stopped",
-                        "step": step,
-                        "reason": "preempted" if preempted else "train.stop_after",
-                    }
-                )
-                logger.close()
-                dist.destroy_process_group()
-                return
+            # Log, checkpoint when due; True when the run stops early (preempted, stop_after), checkpointed.
+            if book.after_step(step, stats, result["tokens"]):
+                break
 
-    final = {
-        "event": "final",
-        "state_bytes_per_rank": gather(sharded_state_bytes(model, optimizer)),
-        "peak_mem_gib_per_rank": gather(peak_memory_bytes(d.device) / GIB),
-    }  # training's peak, every rank
-    if not cfg.data.streaming:
-        final["fixed_batch_loss"] = fixed_batch_loss(
-            model, data.fixed_batch(t.micro_batch_size), d.device, cp_positions
-        )
-    logger.log(final)
-    if cfg.checkpoint.export:
-        path = export_final(model, cfg, tokenizer, d.device.type)
-        logger.log({"event": "exported", "path": path, "state_dict_type": cfg.fsdp.state_dict_type})
+    if not book.stopped:
+        final = final_record(model, optimizer, d.device)  # training's peak memory, every rank
+        if not cfg.data.streaming:
+            fixed = data.fixed_batch(t.micro_batch_size)
+            final["fixed_batch_loss"] = fixed_batch_loss(model, fixed, d.device, cp_positions)
+        logger.log(final)
+        if cfg.checkpoint.export:
+            path = export_final(model, cfg, tokenizer, d.device.type)
+            logger.log({"event": "exported", "path": path, "state_dict_type": cfg.fsdp.state_dict_type})
     logger.close()
     dist.destroy_process_group()
 

@@ -23,7 +23,6 @@ module still imports, so its config, wrap-plan and key helpers are tested with t
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -47,9 +46,11 @@ from common.checkpoint import (
     restore_train_state,
     write_hf_directory,
 )
-from common.config import Config, ConfigError, FsdpConfig, parse_args, run_cli, to_dict
+from common.config import Config, ConfigError, FsdpConfig, check_vocab_size
+from common.config_sources import parse_args, run_cli
 from common.data import build_batches
-from common.metrics import MetricsLogger, StepTimer, flops_per_token, peak_memory_bytes
+from common.lifecycle import Bookkeeping
+from common.metrics import MetricsLogger, StepTimer, flops_per_token
 from common.model import build_meta_model, init_buffers, init_weights, load_model_config
 from common.optim import build_optimizer, lr_multiplier
 from common.wrap import plan_units, resolve_layer_classes
@@ -110,6 +111,14 @@ def xla_settings(fsdp: FsdpConfig) -> tuple[dict, torch.dtype]:
             f"options); use compute_dtype or {sorted(FSDPV2_SETTINGS)}"
         )
     return settings, compute
+
+
+def require_torch_xla() -> None:
+    if torch_xla is None:
+        raise ConfigError(
+            f"fsdp.xla is true but torch_xla is not importable ({XLA_IMPORT_ERROR}); install "
+            f"requirements-xla.txt (torch 2.9.0 + torch_xla 2.9.0) in its own environment, see docs/tpu.md"
+        )
 
 
 def check_xla_config(cfg: Config, num_devices: int) -> None:
@@ -199,7 +208,6 @@ def build_model(cfg: Config) -> nn.Module:
     # eager attention's matmuls autocast, and XLA fuses them into one kernel anyway.
     cfg.model.attn_implementation = "eager"
     hf_config = load_model_config(cfg.model)
-    hf_config.use_cache = False
     if cfg.model.name_or_path:
         if is_sharded_export(cfg.model.name_or_path):
             raise ConfigError(
@@ -233,10 +241,15 @@ def token_loss_sum(model, batch, mesh, compute_dtype: torch.dtype) -> torch.Tens
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
 
 
-def train_step(
-    model, optimizer, micro_batches, mesh, compute_dtype, max_grad_norm: float
-) -> tuple[float, float, int]:
-    """One optimizer step; the loss is divided by the step's target tokens, as in pretrain_fsdp.py."""
+@torch.no_grad()
+def fixed_batch_loss(model, batch, mesh, compute_dtype: torch.dtype) -> float:
+    """The check pretrain_fsdp.py logs: the export must reproduce this mean token loss."""
+    return token_loss_sum(model, batch, mesh, compute_dtype).item() / int((batch.labels != -100).sum())
+
+
+def train_step(model, optimizer, micro_batches, mesh, compute_dtype, max_grad_norm: float) -> dict:
+    """One optimizer step (loss, grad norm, tokens); the loss is divided by the step's target tokens, as in
+    pretrain_fsdp.py."""
     tokens = sum(int((b.labels != -100).sum()) for b in micro_batches)  # one process sees the whole batch
     loss_sum = torch.zeros((), device=torch_xla.device())
     for batch in micro_batches:
@@ -250,7 +263,7 @@ def train_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     torch_xla.sync()  # run the step's graph
-    return loss_sum.item() / tokens, grad_norm.item(), tokens
+    return {"loss": loss_sum.item() / tokens, "grad_norm": grad_norm.item(), "tokens": tokens}
 
 
 def save_checkpoint(
@@ -313,11 +326,7 @@ def export(model, cfg: Config, tokenizer, compute_dtype: torch.dtype) -> str:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv, description=__doc__, xla=True)
     settings, compute_dtype = xla_settings(cfg.fsdp)
-    if torch_xla is None:
-        raise ConfigError(
-            f"fsdp.xla is true but torch_xla is not importable ({XLA_IMPORT_ERROR}); install "
-            f"requirements-xla.txt (torch 2.9.0 + torch_xla 2.9.0) in its own environment, see docs/tpu.md"
-        )
+    require_torch_xla()
     if xr.process_count() > 1:
         # Multi-host TPU: DCP needs a process group to coordinate hosts (each host drives its own devices).
         torch.distributed.init_process_group("gloo", init_method="xla://")
@@ -333,13 +342,9 @@ def main(argv: list[str] | None = None) -> None:
         cfg.data, t.seed, t.global_batch_size, t.micro_batch_size, dp_rank=0, dp_size=1, is_main=is_main
     )
     model = build_model(cfg)
-    if len(tokenizer) > model.config.vocab_size:
-        raise ConfigError(
-            f"the tokenizer has {len(tokenizer)} tokens but model vocab_size is "
-            f"{model.config.vocab_size}; set model.config.vocab_size >= {len(tokenizer)}"
-        )
+    check_vocab_size(len(tokenizer), model.config.vocab_size)
     num_params = sum(p.numel() for p in model.parameters())
-    num_embed = model.get_input_embeddings().weight.numel()
+    model_flops = flops_per_token(model, cfg.data.seq_len)
     wrapped, checkpointed = wrap_plan(model, cfg.fsdp, cfg.fsdp.xla_fsdp_grad_ckpt)
 
     def wrap_unit(module, *args, **kwargs):
@@ -363,87 +368,27 @@ def main(argv: list[str] | None = None) -> None:
         data.load_state_dict(state["data"], 0)
         start_step, samples = state["step"], state["samples"]
 
-    timer = StepTimer(
-        t.steps,
-        flops_per_token(
-            num_params,
-            num_embed,
-            model.module.config.num_hidden_layers,
-            model.module.config.hidden_size,
-            cfg.data.seq_len,
-        ),
-        None,
-        num_devices,
-    )
-    logger = MetricsLogger(run_dir, is_main, cfg.metrics.tensorboard)
-    if is_main:
-        with open(os.path.join(run_dir, "run_config.json"), "w") as f:
-            json.dump(to_dict(cfg), f, indent=2)
-    logger.log(
-        {
-            "event": "model_ready",
-            "params": num_params,
-            "fsdp_units": len(wrapped) + 1,
-            "checkpointed_layers": len(checkpointed),
-            "devices": num_devices,
-            "device": str(torch_xla.device()),
-            "compute_dtype": str(compute_dtype),
-            "resumed_from": resume_from,
-            "start_step": start_step,
-        }
-    )
+    logger = MetricsLogger(cfg, is_main)  # also writes run_config.json
+    units = dict(fsdp_units=len(wrapped) + 1, checkpointed_layers=len(checkpointed), devices=num_devices)
+    where = dict(device=str(torch_xla.device()), compute_dtype=str(compute_dtype), resumed_from=resume_from)
+    logger.log({"event": "model_ready", "params": num_params, **units, **where, "start_step": start_step})
 
-    for step in range(start_step + 1, t.steps + 1):
-        micro_batches = data.micro_batches(samples)
-        loss, grad_norm, tokens = train_step(
-            model, optimizer, micro_batches, mesh, compute_dtype, t.max_grad_norm
-        )
-        samples += t.global_batch_size
-        if not np.isfinite(loss):
-            raise SystemExit(
-                f"loss is {loss} at step {step}; stopping without saving, the last checkpoint is intact"
-            )
-        lr = scheduler.get_last_lr()[0]
-        scheduler.step()
-        if step % cfg.metrics.log_every == 0 or step == t.steps:
-            logger.log(
-                {
-                    "step": step,
-                    "loss": loss,
-                    "grad_norm": grad_norm,
-                    "lr": lr,
-                    "tokens": tokens,
-                    "samples": samples,
-                    **timer.record(step - start_step, tokens),
-                    "peak_host_mem_gib": peak_memory_bytes(torch.device("cpu")) / 2**30,
-                }
-            )
-        else:
-            timer.tokens_since += tokens
-        stopping = t.stop_after and step - start_step >= t.stop_after
-        if (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0) or step == t.steps or stopping:
-            train_state = {
-                "step": step,
-                "samples": samples,
-                "devices": num_devices,
-                "loss": loss,
-                "scheduler": scheduler.state_dict(),
-                "data": [data.state_dict()],
-            }
-            path = save_checkpoint(
-                run_dir, step, model, optimizer, train_state, cfg.checkpoint.keep_latest, tokenizer
-            )
-            logger.log({"event": "checkpoint", "step": step, "path": path})
-        if stopping and step < t.steps:
-            logger.log({"event": "stopped", "step": step, "reason": "train.stop_after"})
-            logger.close()
-            return
+    # The host's memory for the logs, and the host's flag for a preemption request: the CPU device.
+    timer, host = StepTimer(t.steps, num_devices, model_flops), torch.device("cpu")
+    parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, data=data, tokenizer=tokenizer)
+    with Bookkeeping(cfg, logger, start_step, host, timer, save=save_checkpoint, **parts) as book:
+        for step in range(start_step + 1, t.steps + 1):
+            micro_batches = data.micro_batches(samples)
+            result = train_step(model, optimizer, micro_batches, mesh, compute_dtype, t.max_grad_norm)
+            samples += t.global_batch_size
+            stats = {**result, "lr": scheduler.get_last_lr()[0], "samples": samples}
+            scheduler.step()
+            # Log, checkpoint when due; True when the run stops early (preempted, stop_after), checkpointed.
+            if book.after_step(step, stats, result["tokens"]):
+                logger.close()
+                return
 
-    batch = data.fixed_batch(t.micro_batch_size)  # the check pretrain_fsdp.py logs, for the export to match
-    with torch.no_grad():
-        fixed_loss = token_loss_sum(model, batch, mesh, compute_dtype).item() / int(
-            (batch.labels != -100).sum()
-        )
+    fixed_loss = fixed_batch_loss(model, data.fixed_batch(t.micro_batch_size), mesh, compute_dtype)
     logger.log({"event": "final", "fixed_batch_loss": fixed_loss})
     if cfg.checkpoint.export:
         path = export(model, cfg, tokenizer, compute_dtype)

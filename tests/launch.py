@@ -1,4 +1,5 @@
-"""Run the real scripts as subprocesses (python or torchrun) with a timeout, and read what they wrote."""
+"""Run the real scripts as subprocesses (python or torchrun) with a timeout, and read what they wrote: for
+the tests, and for the benchmarks (which import it as tests.launch)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "debug_tiny.json")
@@ -105,3 +107,43 @@ def write_short_documents(path) -> str:
         for _ in range(600):
             f.write(json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(5, 40)))}) + "\n")
     return str(path)
+
+
+def run_recipe(
+    world: int,
+    overrides: list[str],
+    extra_env: dict | None = None,
+    script: str = "pretrain_fsdp.py",
+    config: str = TINY,
+) -> list[dict]:
+    """A benchmark's run: `world` ranks under torchrun in a scratch directory, no export; its records."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        args = [
+            "--config",
+            config,
+            f"checkpoint.dir={run_dir}",
+            "checkpoint.export=false",
+            "metrics.tensorboard=false",
+        ]
+        run(script, [*args, *overrides], nproc=world, timeout=3600, extra_env=extra_env)
+        return read_metrics(run_dir)
+
+
+def tiny() -> bool:
+    """`--tiny` on a benchmark's command line: the smallest sizes, so the test suite checks it still runs
+    (its numbers then mean nothing)."""
+    return "--tiny" in sys.argv[1:]
+
+
+def steady_step(records: list[dict]) -> dict:
+    """The median step by tokens/s, leaving out the first two (allocator and, with compile, tracing)."""
+    ordered = sorted((r for r in steps(records) if r["step"] > 2), key=lambda r: r["tokens_per_s"])
+    return ordered[len(ordered) // 2]
+
+
+def last_step(records: list[dict]) -> dict:
+    return steps(records)[-1]
+
+
+def final(records: list[dict]) -> dict:
+    return event(records, "final")

@@ -7,7 +7,8 @@ import re
 import pytest
 import yaml
 
-from common.config import ConfigError, load_config, parse_args, run_cli
+from common.config import ConfigError
+from common.config_sources import load_config, parse_args, run_cli
 from launch import REPO, TINY, event, free_port, pretrain, read_metrics, run
 
 pretrain_script = None
@@ -180,6 +181,11 @@ BAD_INPUTS = {
     ),
     "both_model_sources": (["model.name_or_path=/some/dir"], "set model.config={}"),
     "seq_len": (["data.seq_len=1"], "data.seq_len is 1"),
+    # Checked by type: these were TypeError tracebacks before every field was checked against its annotation.
+    "warmup_type": (['train.warmup_steps="5"'], "train.warmup_steps is '5'; use an integer"),
+    "log_every_type": (['metrics.log_every="often"'], "metrics.log_every is 'often'; use an integer"),
+    "bool_as_size": (["parallelism.cp_size=true"], "parallelism.cp_size is True; use an integer"),
+    "enum": (["train.lr_schedule=linear"], "train.lr_schedule is 'linear'; use one of cosine, wsd"),
 }
 
 

@@ -136,9 +136,8 @@ def test_document_mask_keeps_attention_inside_each_document_at_every_cp(export, 
 def test_padding_and_an_uneven_last_batch_are_not_counted(export, tmp_path):
     common = ["data.seq_len=256", "data.pack=false", "eval.max_sequences=7"]
     single = evaluate(export, tmp_path / "a", *common, "parallelism.cp_size=1")
-    layout = evaluate(
-        export, tmp_path / "b", *common, "parallelism.cp_size=2", nproc=4
-    )  # 7 sequences over dp=2
+    # 7 sequences over dp=2
+    layout = evaluate(export, tmp_path / "b", *common, "parallelism.cp_size=2", nproc=4)
     valid = int((reference_batch(export, num=7, pack=False).labels != -100).sum())
     assert valid < 7 * 256  # the documents really are padded
     assert single["tokens"] == layout["tokens"] == valid

@@ -14,7 +14,7 @@ IN_FLIGHT = f"""
 import sys
 sys.path.insert(0, {REPO!r})
 import torch, torch.distributed as dist
-from common.config import run_cli
+from common.config_sources import run_cli
 from common.mesh import init_distributed
 
 def main(argv):

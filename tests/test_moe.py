@@ -154,9 +154,8 @@ def test_layout_matches_one_process_and_places_experts(name, reference, layouts)
         )
         assert rank_layout["placements"][-1] == "S(0)"  # whole experts split over ep: E/ep per rank...
         rows = rank_layout["global_shape"][0] // ep
-        assert rank_layout["local_shape"][0] == -(
-            -rows // rank_layout["mesh"]["efsdp"]
-        )  # ...then FSDP over efsdp
+        # ...then FSDP over efsdp
+        assert rank_layout["local_shape"][0] == -(-rows // rank_layout["mesh"]["efsdp"])
 
 
 def test_exact_resume_with_experts_on_their_own_mesh(tmp_path, qwen, layouts):
@@ -292,6 +291,7 @@ def test_bad_input_is_one_line_on_every_rank_before_anything_is_written(tmp_path
 
 def test_tp_with_gradient_accumulation_must_sync_each_micro_batch(tmp_path):
     tp = ["parallelism.fsdp_size=2", "parallelism.tp_size=2", "parallelism.ep_size=2"]
+    # refused before any process group
     proc = run(
         "finetune_moe_ep_fsdp.py",
         ["--config", MOE, f"checkpoint.dir={tmp_path / 'run'}", *tp],
@@ -299,7 +299,7 @@ def test_tp_with_gradient_accumulation_must_sync_each_micro_batch(tmp_path):
         check=False,
         extra_env={"WORLD_SIZE": "4"},
         timeout=120,
-    )  # refused before any process group
+    )
     assert proc.returncode == 2 and "set train.sync_each_batch=true" in proc.stderr.strip(), proc.stderr[
         -2000:
     ]

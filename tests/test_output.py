@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from common.config import ConfigError, ModelConfig, load_config
+from common.config import ConfigError, ModelConfig
+from common.config_sources import load_config
 from common.metrics import event_line
 from common.model import load_model_config
 from launch import REPO, TINY, read_metrics, run, steps
@@ -34,7 +35,7 @@ def test_events_are_short_lines_on_the_terminal_and_json_in_the_log(quiet_run):
     lines = proc.stdout.splitlines()
     ready = next(line for line in lines if line.startswith("model_ready: "))
     final = next(line for line in lines if line.startswith("final: "))
-    assert "params 598,336, fsdp_units 5" in ready and "{" not in ready.split("mixed_precision")[0]
+    assert "params 598,336, world_size 1, mesh {dp_shard 1}" in ready and "fsdp_units 5" in ready
     assert "fixed_batch_loss 8." in final and len(final.split("fixed_batch_loss ")[1]) <= 6  # 4 digits
     assert not any(line.startswith("{") for line in lines)
     assert {r.get("event") for r in records} >= {"model_ready", "final", "exported"}

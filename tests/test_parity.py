@@ -20,10 +20,11 @@ def single_process(tmp_path_factory):
         (2, []),
         (4, []),
         (4, ["parallelism.dp_replicate_size=2", "parallelism.dp_shard_size=2"]),  # 2x2 HSDP
+        # context parallel training: each rank trains on half of every sequence
         (
             2,
             ["parallelism.cp_size=2"],
-        ),  # context parallel training: each rank trains on half of every sequence
+        ),
         # HSDP replicas 2 x cp 2: FSDP shards over the cp ranks of a replica, which all-reduce with the other.
         (4, ["parallelism.dp_replicate_size=2", "parallelism.cp_size=2"]),
     ],

@@ -13,11 +13,12 @@ import pytest
 from launch import REPO, TINY, env, event, losses, read_metrics, steps
 
 CLUSTER = os.path.join(REPO, "tests", "slurm", "cluster.sh")
+# the 8-node file, overridden on the command line
 SBATCH_CPU = [
     "--nodes=2",
     "--gpus-per-node=0",
     "--time=15",
-]  # the 8-node file, overridden on the command line
+]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from common.config import ConfigError, FsdpConfig, load_config
+from common.config import ConfigError, FsdpConfig
+from common.config_sources import load_config
 from launch import REPO, env, event, losses, pretrain, read_metrics, run
 
 DEBUG_TPU = os.path.join(REPO, "configs", "debug_tpu.json")
@@ -199,10 +200,11 @@ def test_grad_ckpt_keeps_the_losses_and_resume_continues_exactly(straight, tmp_p
     assert event(first, "model_ready")["checkpointed_layers"] == 2
     assert losses(first) == pytest.approx(losses(straight)[:3], abs=1e-6)
     resumed = xla_run(tmp_path, "fsdp.xla_fsdp_grad_ckpt=true", "fsdp.state_dict_type=SHARDED_STATE_DICT")
+    # the log is appended to
     assert [r["start_step"] for r in resumed if r.get("event") == "model_ready"] == [
         0,
         3,
-    ]  # the log is appended to
+    ]
     assert losses(resumed)[3:] == pytest.approx(losses(straight)[3:], abs=1e-6)
     # The SHARDED export is pretrain_fsdp.py's format: eval_cp.py reads it as it reads the FULL one.
     results = []

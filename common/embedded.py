@@ -1,0 +1,77 @@
+"""The built-in corpus and its tokenizer, so the default run needs no download: the Python standard
+library's own sources, and a byte-level BPE tokenizer trained on them once and cached."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import sys
+import sysconfig
+
+import torch.distributed as dist
+
+from common.config import DataConfig
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+# bump when the corpus selection changes
+EMBEDDED_CORPUS = f"stdlib{sys.version_info[0]}.{sys.version_info[1]}-v2"
+
+
+def embedded_documents(max_bytes: int) -> list[str]:
+    """The Python standard library's own sources: always on disk, so the default run needs no download."""
+    root = sysconfig.get_paths()["stdlib"]
+    docs, total = [], 0
+    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+        top = os.path.relpath(path, root).split(os.sep)[0]
+        # tests and codec tables: not prose-like code
+        if "site-packages" in path or "test" in top or top == "encodings":
+            continue
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        docs.append(text)
+        total += len(text)
+        if total >= max_bytes:
+            break
+    return docs
+
+
+def train_embedded_tokenizer(docs: list[str], vocab_size: int, out_dir: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN, PAD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(docs, trainer)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN
+    )
+    hf_tok.save_pretrained(out_dir)
+
+
+def embedded_tokenizer_dir(cfg: DataConfig) -> str:
+    name = f"tokenizer-{EMBEDDED_CORPUS}-{cfg.embedded_vocab_size}-{cfg.embedded_max_bytes}"
+    return os.path.join(os.path.expanduser(cfg.cache_dir), name)
+
+
+def ensure_embedded_tokenizer(cfg: DataConfig, is_main: bool) -> None:
+    """Rank 0 trains the embedded tokenizer once per cache; the others wait for it."""
+    tok_dir = embedded_tokenizer_dir(cfg)
+    if cfg.tokenizer is None and is_main and not os.path.exists(tok_dir):
+        os.makedirs(os.path.dirname(tok_dir), exist_ok=True)
+        tmp = f"{tok_dir}.tmp{os.getpid()}"
+        train_embedded_tokenizer(embedded_documents(cfg.embedded_max_bytes), cfg.embedded_vocab_size, tmp)
+        try:
+            os.replace(tmp, tok_dir)
+        except OSError:  # another job sharing the cache finished first; its tokenizer is the same
+            shutil.rmtree(tmp, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()

@@ -30,6 +30,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.experimental import context_parallel
 from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
 
+# torch's table of SDPA kernels that context_parallel can run as ring attention (private: no public way to
+# ask). It lists the CUDA kernels; tests/cpu_ring_attention.py adds the CPU one for the test suite.
+from torch.distributed.tensor.experimental._context_parallel._attention import custom_ops as cp_kernels
+
 from common import cp
 from common.checkpoint import is_sharded_export, load_hf_weights, load_sharded_export
 from common.config import Config, ConfigError
@@ -39,6 +43,8 @@ from common.mesh import build_dp_mesh, gather, init_distributed, resolve_device
 from common.metrics import GIB, event_line, peak_memory_bytes, reset_peak_memory
 from common.model import build_meta_model, init_buffers, load_model_config
 from common.wrap import apply_fsdp, resolve_layer_classes
+
+CPU_SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
 @torch.no_grad()
@@ -85,7 +91,7 @@ def check_config(cfg: Config, world_size: int) -> str:
             "eval.attention is 'torch_cp' but data.document_mask is true; torch's context_parallel "
             "supports plain causal attention only, so use auto or allgather"
         )
-    if attention == "torch_cp" and not on_cuda:
+    if attention == "torch_cp" and not on_cuda and CPU_SDPA not in cp_kernels:
         raise ConfigError(
             "eval.attention is 'torch_cp', which needs CUDA SDPA kernels (torch has no CP sharding "
             "rule for the CPU kernel); use auto or allgather"

@@ -3,6 +3,7 @@ token."""
 
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -82,6 +83,37 @@ def test_every_layout_gives_the_cp1_result_and_counts_each_token_once(
     assert result["eval_loss"] == pytest.approx(cp1["eval_loss"], abs=1e-5)
     assert result["perplexity"] == pytest.approx(cp1["perplexity"], rel=1e-5)
     assert result["accuracy"] == pytest.approx(cp1["accuracy"], abs=1e-9)
+
+
+# torch's own ring attention (eval.attention=torch_cp) on CPU, through the test-only CP kernel entry.
+CPU_RING = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+SHIM = os.path.join(REPO, "tests", "cpu_ring_attention.py")
+
+
+@pytest.mark.parametrize(
+    "nproc,overrides",
+    [
+        (2, ["parallelism.cp_size=2"]),
+        (2, ["parallelism.cp_size=2", "parallelism.cp_comm_strategy=alltoall"]),
+        (2, ["parallelism.cp_size=2", "eval.load_balance=false"]),
+        (4, ["parallelism.cp_size=4"]),
+        (4, ["parallelism.cp_size=4", "parallelism.cp_comm_strategy=alltoall", "eval.load_balance=false"]),
+        (4, ["parallelism.cp_size=2"]),  # dp 2 x cp 2
+    ],
+    ids=["cp2", "cp2-alltoall", "cp2-no-load-balance", "cp4", "cp4-alltoall-no-load-balance", "dp2xcp2"],
+)
+def test_torch_context_parallel_on_cpu_gives_the_allgather_result(export, cp1, tmp_path, nproc, overrides):
+    args = ["--config", EVAL, f"model.name_or_path={export}", f"checkpoint.dir={tmp_path}", *SEQ, *overrides]
+    run(
+        "eval_cp.py",
+        [*args, "eval.attention=torch_cp"],
+        launcher=[*CPU_RING, f"--nproc_per_node={nproc}", SHIM],
+    )
+    with open(tmp_path / "eval_results.json") as f:
+        result = json.load(f)
+    assert result["attention"] == "torch_cp" and result["cp_size"] * result["dp_size"] == nproc
+    assert result["tokens"] == cp1["tokens"]
+    assert result["eval_loss"] == pytest.approx(cp1["eval_loss"], abs=1e-5)
 
 
 @pytest.mark.gpu

@@ -202,12 +202,25 @@ def load_or_init_weights(model: nn.Module, cfg: Config, init_std: float) -> None
 def export_final(model: nn.Module, cfg: Config, tokenizer, device_type: str) -> str:
     """The run's result in `<checkpoint.dir>/export`, per fsdp.state_dict_type; returns the path."""
     export_dir = os.path.join(cfg.checkpoint.dir, "export")
+    prepare_for_generation(model, tokenizer, from_scratch=not cfg.model.name_or_path)
     if cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
         dtype = getattr(torch, resolve_mixed_precision(cfg.fsdp, device_type)["param_dtype"])
         export_full(model, export_dir, tokenizer, dtype)
     else:
         export_sharded(model, export_dir, tokenizer)
     return export_dir
+
+
+def prepare_for_generation(model: nn.Module, tokenizer, from_scratch: bool) -> None:
+    """The exported config as generate() needs it: the KV cache back on (training turns it off), and for a
+    model built from model.config, whose ids are LlamaConfig's defaults, the tokenizer's own special ids
+    (a model loaded from model.name_or_path keeps its own)."""
+    model.config.use_cache = model.generation_config.use_cache = True
+    if not from_scratch or tokenizer is None:
+        return
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(model.config, name, getattr(tokenizer, name))
+        setattr(model.generation_config, name, getattr(tokenizer, name))
 
 
 def publish(tmp: str, final: str) -> None:
@@ -239,6 +252,12 @@ def write_hf_directory(model: nn.Module, out_dir: str, state: dict, tokenizer, d
     model.config.save_pretrained(out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
+    # safetensors arrive 0600 (written through a temporary file), the rest 0644: give all the mode a plain
+    # open() would, so whoever may read the config may read the weights.
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(out_dir):
+        os.chmod(os.path.join(out_dir, name), 0o666 & ~umask)
 
 
 def export_sharded(model: nn.Module, out_dir: str, tokenizer) -> None:

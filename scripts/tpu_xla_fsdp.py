@@ -41,6 +41,7 @@ from common.checkpoint import (
     checkpoints_dir,
     find_resume_checkpoint,
     is_sharded_export,
+    prepare_for_generation,
     publish,
     publish_checkpoint,
     restore_train_state,
@@ -306,6 +307,7 @@ def export(model, cfg: Config, tokenizer, compute_dtype: torch.dtype) -> str:
     out_dir = os.path.join(cfg.checkpoint.dir, "export")
     tmp = f"{out_dir}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
+    prepare_for_generation(model.module, tokenizer, from_scratch=not cfg.model.name_or_path)
     if cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
         state = {hf_key(k): v.cpu().to(compute_dtype) for k, v in model.state_dict().items()}
         if xr.process_index() == 0:

@@ -1,6 +1,7 @@
 """Final exports and checkpoint loading: FULL is a Transformers directory, SHARDED is one file per rank."""
 
 import glob
+import json
 import os
 
 import pytest
@@ -112,3 +113,38 @@ def test_cpu_ram_efficient_loading_reads_on_rank0_only_and_gives_identical_weigh
     assert r0_peaks[0] > r0_peaks[1] + 0.6 * model_gib, r0_peaks
     hf = LlamaForCausalLM.from_pretrained(big_hf_checkpoint).eval()
     assert fixed_batch_loss_of(hf, {}) == pytest.approx(event(rank0, "final")["fixed_batch_loss"], abs=1e-5)
+
+
+def test_the_full_export_is_ready_for_generation(tmp_path):
+    pretrain(tmp_path / "scratch", "train.steps=2", nproc=0)
+    export = tmp_path / "scratch" / "export"
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    config = json.loads((export / "config.json").read_text())
+    generation = json.loads((export / "generation_config.json").read_text())
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):  # the embedded tokenizer's, not Llama's 1/2
+        assert config[name] == generation[name] == getattr(tokenizer, name), name
+    assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|endoftext|>", "<|pad|>")
+    assert config["use_cache"] is True and generation["use_cache"] is True
+    modes = {path.name: path.stat().st_mode & 0o777 for path in export.iterdir()}
+    assert len(set(modes.values())) == 1 and all(mode & 0o044 == 0o044 for mode in modes.values()), modes
+    # EOS made certain: with the final norm zeroed every logit is 0 and greedy decoding picks token 0, the
+    # tokenizer's EOS. generate() stops right there only if the export names that EOS.
+    model = AutoModelForCausalLM.from_pretrained(export).eval()
+    assert tokenizer.eos_token_id == 0
+    with torch.no_grad():
+        model.model.norm.weight.zero_()
+    prompt = tokenizer("def main(", return_tensors="pt").input_ids
+    generated = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert generated[0, prompt.shape[1] :].tolist() == [tokenizer.eos_token_id]
+
+
+def test_a_model_loaded_from_name_or_path_keeps_its_own_special_ids(tmp_path):
+    pretrain(tmp_path / "scratch", "train.steps=1", nproc=0)
+    source = tmp_path / "scratch" / "export"
+    config = json.loads((source / "config.json").read_text())
+    config.update(bos_token_id=5, eos_token_id=6, pad_token_id=7)
+    (source / "config.json").write_text(json.dumps(config))
+    pretrain(tmp_path / "loaded", "train.steps=0", f"model.name_or_path={source}", "model.config={}", nproc=0)
+    exported = json.loads((tmp_path / "loaded" / "export" / "config.json").read_text())
+    assert [exported[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")] == [5, 6, 7]
+    assert exported["use_cache"] is True

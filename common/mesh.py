@@ -85,8 +85,11 @@ def end_process(exit_code: int) -> None:
     its tensors; Python ends such a thread with pthread_exit, whose unwind through the work's noexcept
     destructor calls std::terminate: "terminate called without an active exception", SIGABRT after the
     run's output is complete (pytorch/pytorch#179291 describes the same abort). So while such threads are
-    alive, the process exits here without that teardown.
+    alive, the process exits here without that teardown. Every exit path comes here, so each also destroys
+    the process group the same way, if main() did not.
     """
+    if _STARTED[0] and dist.is_initialized():  # a path that left main() early: a config error, a NaN stop
+        dist.destroy_process_group()
     if _STARTED[0] and collective_threads():
         sys.stdout.flush()
         sys.stderr.flush()

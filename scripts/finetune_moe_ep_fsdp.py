@@ -47,8 +47,6 @@ from common.optim import build_optimizer, clip_grad_norm_, lr_multiplier
 from common.sft import build_sft_batches, eval_batches
 from common.wrap import apply_fsdp, resolve_layer_classes
 
-GIB = 2**30
-
 
 class MoeLoss:
     """Token-summed cross-entropy on answer tokens, plus the model's router load-balancing loss."""

@@ -38,8 +38,6 @@ from common.model import build_meta_model, init_buffers, load_model_config
 from common.optim import build_optimizer, clip_grad_norm_, lr_multiplier
 from common.wrap import apply_fsdp, resolve_layer_classes
 
-GIB = 2**30
-
 
 def token_loss_sum(
     model: torch.nn.Module, batch: Batch, device: torch.device, cp_positions: torch.Tensor | None

@@ -336,7 +336,7 @@ def load_config(
 def run_cli(main, argv: list[str] | None = None) -> None:
     """Run a script's main(argv); bad input becomes one line and exit 2, with no traceback, on every rank.
     Then leave through common/mesh.end_process, which keeps gloo from aborting the exit."""
-    from common.mesh import end_process  # mesh imports this module
+    from common.mesh import end_process  # here: the rest of this module imports no torch
 
     exit_code = 0
     try:

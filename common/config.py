@@ -1,9 +1,10 @@
-"""The JSON config schema as dataclasses, key=value overrides, and validation.
+"""The JSON config schema as dataclasses, and its validation: the reference for every key and default.
 
 Every section of the JSON file is one dataclass below and every key is a field of the same name.
-The `fsdp` section takes exactly the keys of a Transformers `fsdp_config`, so a user can paste theirs,
-and it can also be filled from `--fsdp-config`, `--accelerate-config` or the environment that
-`accelerate launch` exports. This module imports no torch, so a bad config fails in well under a second.
+The `fsdp` section takes exactly the keys of a Transformers `fsdp_config`, so a user can paste theirs;
+common/config_sources.py reads it from the run config, `--fsdp-config`, `--accelerate-config` or the
+environment `accelerate launch` exports, and applies key=value overrides. This module imports no torch, so a
+bad config fails in well under a second.
 """
 
 from __future__ import annotations

@@ -381,7 +381,3 @@ def check_vocab_size(tokenizer_size: int, vocab_size: int) -> None:
             f"model's own tokenizer (data.tokenizer), or for a new model set model.config.vocab_size >= "
             f"{tokenizer_size}"
         )
-
-
-def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)

@@ -16,9 +16,7 @@ from common.checkpoint import save_checkpoint
 from common.config import Config, ConfigError
 from common.faults import inject_fault
 from common.mesh import gather
-from common.metrics import CommCounter, MetricsLogger, StepTimer, peak_memory_bytes
-
-GIB = 2**30
+from common.metrics import GIB, CommCounter, MetricsLogger, StepTimer, peak_memory_bytes
 
 
 class PreemptionWatch:

@@ -6,8 +6,7 @@ Runs scripts/pretrain_fsdp.py (configs/debug_tiny.json, an MLP width that does n
 padding shows) with `metrics.comm_stats=true` on 2 and 4 CPU ranks, reshard_after_forward true and false, and
 compares the all-gather and reduce-scatter bytes of the last step with
 
-    Psi = sum over parameters of ceil(dim0 / W) * W * prod(other dims) * bytes per element   (FSDP2 pads dim
-    0)
+    Psi = sum over parameters of ceil(dim0 / W) * W * prod(other dims) * bytes per element  (dim 0 padded)
     all-gather     = (2 if reshard_after_forward else 1) * k * Psi    (k = micro-batches per step; forward,
                                                                       and again in backward)
     reduce-scatter = Psi          (once per step, on the last micro-batch; k * Psi with train.sync_each_batch)

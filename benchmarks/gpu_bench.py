@@ -1,8 +1,7 @@
 """One prepared run for a single-GPU machine: a smoke test of every script, then tokens/s and MFU.
 
     bash benchmarks/gpu_bench.sh [OUT_DIR]          # on the GPU machine (no network needed), under 10 minutes
-    python benchmarks/gpu_bench.py OUT_DIR --tiny   # the same logic on CPU with tiny sizes (the test suite's
-    smoke)
+    python benchmarks/gpu_bench.py OUT_DIR --tiny   # the same logic on CPU, tiny sizes (the suite's smoke)
 
 Smoke: pretrain_fsdp.py (debug_tiny, NCCL, bf16 parameters by default on CUDA) with a FULL export;
 eval_cp.py on that export through both attention paths (torch's context_parallel and the all-gather one) at

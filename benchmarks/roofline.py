@@ -58,8 +58,7 @@ def matmul_peak(device: torch.device, tiny: bool = False) -> float:
 
 
 def collective_bandwidth(num_bytes: int) -> None:
-    """Under torchrun: time all-gather and reduce-scatter; rank 0 prints bytes/s of the full tensor as
-    JSON."""
+    """Under torchrun: time all-gather and reduce-scatter; rank 0 prints the full tensor's bytes/s (JSON)."""
     import torch.distributed as dist
 
     cuda = torch.cuda.is_available()

@@ -1,6 +1,5 @@
 """Baseline: the same Llama, data and optimizer as scripts/pretrain_fsdp.py, trained by the Transformers
-`Trainer`
-with Accelerate FSDP2, for throughput and memory comparisons.
+`Trainer` with Accelerate FSDP2, for throughput and memory comparisons.
 
     torchrun --nproc_per_node 2 benchmarks/trainer_baseline.py --model-config configs/debug_tiny.json \
         --seq-len 64 --embedded-max-bytes 1000000 --steps 20 --global-batch-size 8 --micro-batch-size 2 \
@@ -8,60 +7,40 @@ with Accelerate FSDP2, for throughput and memory comparisons.
 
 Same work on both sides. The model is `from_config` of the LlamaConfig given (JSON text, or a run config whose
 model.config is used), fp32, sdpa, use_cache off. The rows are our recipe's: common.data.build_batches gives
-the
-cached, packed [seq_len + 1] rows of the embedded corpus, and sample k here is the recipe's sample k. Each
-item is
-{"input_ids": row[:-1], "labels": row[1:], "shift_labels": row[1:]}: `shift_labels` tells HF's ForCausalLMLoss
-(transformers/loss/loss_utils.py:63) that the labels are already shifted, and the Trainer counts the loss's
-denominator on it (trainer.py:2336), so each step has the same global_batch x seq_len inputs and targets as
-the
-recipe, normalised by the same global target count (average_tokens_across_devices, on by default). The sampler
-is
-sequential, so an optimizer step sees the recipe's samples [s*B, (s+1)*B) (split over ranks differently).
-AdamW
-with the same lr/betas/eps/weight_decay (the Trainer, like the recipe, exempts norm weights and biases),
-clipping, and `cosine_with_min_lr` with min_lr_rate: the recipe's cosine exactly, but the Trainer's warmup
-starts
-at lr 0 (step/warmup) where the recipe's starts at lr/warmup ((step+1)/warmup).
+the cached, packed [seq_len + 1] rows of the embedded corpus, and sample k here is the recipe's sample k. Each
+item is {"input_ids": row[:-1], "labels": row[1:], "shift_labels": row[1:]}: `shift_labels` tells HF's
+ForCausalLMLoss (transformers/loss/loss_utils.py:63) that the labels are already shifted, and the Trainer
+counts the loss's denominator on it (trainer.py:2336), so each step has the same global_batch x seq_len inputs
+and targets as the recipe, normalised by the same global target count (average_tokens_across_devices, on by
+default). The sampler is sequential, so an optimizer step sees the recipe's samples [s*B, (s+1)*B) (split over
+ranks differently). AdamW with the same lr/betas/eps/weight_decay (the Trainer, like the recipe, exempts norm
+weights and biases), clipping, and `cosine_with_min_lr` with min_lr_rate: the recipe's cosine exactly, but the
+Trainer's warmup starts at lr 0 (step/warmup) where the recipe's starts at lr/warmup ((step+1)/warmup).
 
 FSDP2 on CPU needs a patch. `use_cpu=True, ddp_backend="gloo"` gives a gloo group and
-DistributedType.MULTI_CPU
-(accelerate/state.py:800-808). Without use_cpu, a machine with no accelerator gets DistributedType.NO even
-with a
-gloo group (state.py:769-810) and the Trainer stops: "Using fsdp only works in distributed training"
-(trainer.py:477). With use_cpu it runs, but AcceleratorState turns an fsdp_plugin into DistributedType.FSDP
-only
-when the type is MULTI_GPU/XPU/NPU/... (state.py:986-1016); MULTI_CPU is not in that list, so the Trainer's
-plugin
-is silently dropped, `trainer.is_fsdp_enabled` is False (trainer.py:875) and Accelerator.prepare_model wraps
-the
-model in DDP (accelerator.py:2058). Environment variables cannot help: ACCELERATE_USE_FSDP counts only inside
-that
-branch (state.py:1010) or to build a plugin from FSDP_* variables (accelerator.py:388-397), and the Trainer
-passes
-its own plugin, fsdp_version=2 included. So once TrainingArguments has made the gloo group, force_fsdp_on_cpu
-relabels the shared PartialState's MULTI_CPU as MULTI_GPU; the Trainer's Accelerator then takes the FSDP
-branch and
-sets the type to FSDP, and the rest runs on the CPU device and gloo group already made (fully_shard's default
-mesh
-is a CPU mesh over the default group). on_train_begin then checks what is trained: FSDPModule instances, every
-parameter a DTensor sharded over all ranks; otherwise the script exits non-zero. `fsdp=True` + fsdp_config is
-the
-non-deprecated spelling of fsdp="full_shard auto_wrap" (same plugin for FSDP2, training_args.py:2888-2938).
+DistributedType.MULTI_CPU (accelerate/state.py:800-808). Without use_cpu, a machine with no accelerator gets
+DistributedType.NO even with a gloo group (state.py:769-810) and the Trainer stops: "Using fsdp only works in
+distributed training" (trainer.py:477). With use_cpu it runs, but AcceleratorState turns an fsdp_plugin into
+DistributedType.FSDP only when the type is MULTI_GPU/XPU/NPU/... (state.py:986-1016); MULTI_CPU is not in that
+list, so the Trainer's plugin is silently dropped, `trainer.is_fsdp_enabled` is False (trainer.py:875) and
+Accelerator.prepare_model wraps the model in DDP (accelerator.py:2058). Environment variables cannot help:
+ACCELERATE_USE_FSDP counts only inside that branch (state.py:1010) or to build a plugin from FSDP_* variables
+(accelerator.py:388-397), and the Trainer passes its own plugin, fsdp_version=2 included. So once
+TrainingArguments has made the gloo group, force_fsdp_on_cpu relabels the shared PartialState's MULTI_CPU as
+MULTI_GPU; the Trainer's Accelerator then takes the FSDP branch and sets the type to FSDP, and the rest runs
+on the CPU device and gloo group already made (fully_shard's default mesh is a CPU mesh over the default
+group). on_train_begin then checks what is trained: FSDPModule instances, every parameter a DTensor sharded
+over all ranks; otherwise the script exits non-zero. `fsdp=True` + fsdp_config is the non-deprecated spelling
+of fsdp="full_shard auto_wrap" (same plugin for FSDP2, training_args.py:2888-2938).
 
 --best adds what the Trainer documents for speed: torch_compile=True (inductor) and adamw_torch_fused, which
-is
-already the default optimizer for torch >= 2.8 and works on CPU with DTensor shards. Measured on 2 CPU ranks
-(a
-noisy 2-vCPU VM, +-15% run to run) neither mode wins: debug_tiny 3.8-4.1k tokens/s eager vs 3.2-4.7k compiled,
-debug_llama 5.4-6.1k vs 5.3-5.8k; compile costs 10-40 s and ~70 MiB RSS per rank, and dynamo breaks the graph
-at
-every FSDP2 hook (_fsdp_common.py), so much of the step stays eager. Accelerate's regional compilation
-(ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION=1) is no better, optim="adamw_torch" (a for-loop on CPU, no
-foreach)
-is 5-15% slower, and bf16=True runs but is 8x slower on this AVX2 CPU (no bf16 instructions) and changes the
-math,
-so it is left out. Compare against the faster of the two modes.
+is already the default optimizer for torch >= 2.8 and works on CPU with DTensor shards. Measured on 2 CPU
+ranks (a noisy 2-vCPU VM, +-15% run to run) neither mode wins: debug_tiny 3.8-4.1k tokens/s eager vs 3.2-4.7k
+compiled, debug_llama 5.4-6.1k vs 5.3-5.8k; compile costs 10-40 s and ~70 MiB RSS per rank, and dynamo breaks
+the graph at every FSDP2 hook (_fsdp_common.py), so much of the step stays eager. Accelerate's regional
+compilation (ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION=1) is no better, optim="adamw_torch" (a for-loop on
+CPU, no foreach) is 5-15% slower, and bf16=True runs but is 8x slower on this AVX2 CPU (no bf16 instructions)
+and changes the math, so it is left out. Compare against the faster of the two modes.
 """
 
 from __future__ import annotations

@@ -102,8 +102,7 @@ def shard_positions(seq_len: int, cp_size: int, cp_rank: int, load_balance: bool
 def check_cp(
     seq_len: int, cp_size: int, load_balance: bool, hf_config: PretrainedConfig | None = None
 ) -> None:
-    """A length the shards cannot split evenly, or attention the mask here does not express, fails up
-    front."""
+    """Fails up front on a length the shards cannot split evenly, or attention the mask cannot express."""
     multiple = 2 * cp_size if load_balance else cp_size
     if seq_len % multiple:
         lower, upper = seq_len // multiple * multiple, (seq_len // multiple + 1) * multiple

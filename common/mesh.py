@@ -140,8 +140,8 @@ def build_dp_mesh(device_type: str, dp_replicate: int, dp_shard: int) -> DeviceM
 
 @dataclass
 class MoeSizes:
-    """Transformers' DistributedConfig layout: dense (dp_replicate, fsdp, tp), experts (dp_replicate, efsdp,
-    ep)."""
+    """Transformers' DistributedConfig layout: dense weights on (dp_replicate, fsdp, tp), experts on
+    (dp_replicate, efsdp, ep)."""
 
     dp_replicate: int
     fsdp: int

@@ -34,8 +34,7 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def check_moe(model: nn.Module, name: str) -> tuple[int, Callable]:
-    """(number of experts, the model's load-balancing loss function), or a one-line error for a dense
-    model."""
+    """(number of experts, the model's load-balancing loss), or a one-line error for a dense model."""
     experts = expert_modules(model)
     module = importlib.import_module(type(model).__module__)
     aux_loss = getattr(module, "load_balancing_loss_func", None)

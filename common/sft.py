@@ -24,8 +24,8 @@ ARITHMETIC = "arithmetic"  # the built-in task: "17+25=" -> "42", generated, wit
 
 
 def arithmetic_examples(split: str) -> list[dict]:
-    """Every a+b and a-b with a, b < 100; one problem in ten (by a fixed shuffle) is held out: any split
-    other than "train"."""
+    """Every a+b and a-b with a, b < 100. One problem in ten (by a fixed shuffle) is held out, and any split
+    other than "train" returns those."""
     problems = [(a, op, b) for a in range(100) for b in range(100) for op in "+-"]
     random.Random(0).shuffle(problems)
     held_out = len(problems) // 10

@@ -1,5 +1,5 @@
-"""Evaluation loss, perplexity and token accuracy of a checkpoint with context parallelism (cp) x data
-parallelism.
+"""Evaluation loss, perplexity and token accuracy of a checkpoint, with context parallelism (cp) x data
+parallelism (dp).
 
     torchrun --nproc_per_node 4 scripts/eval_cp.py --config configs/debug_eval_cp.json parallelism.cp_size=2
 

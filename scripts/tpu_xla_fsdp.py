@@ -1,21 +1,18 @@
 """Llama pretraining on PyTorch/XLA (TPU, or XLA's CPU runtime in CI) with SPMD FSDPv2.
 
-    PJRT_DEVICE=TPU python scripts/tpu_xla_fsdp.py --config configs/tpu_llama.json         # on every TPU VM
-    worker
+    PJRT_DEVICE=TPU python scripts/tpu_xla_fsdp.py --config configs/tpu_llama.json   # on every TPU VM host
     PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 python scripts/tpu_xla_fsdp.py --config configs/debug_tpu.json
 
 The recipe of pretrain_fsdp.py (config schema, data, initialisation, AdamW and schedule, global-token loss,
 metrics, checkpoints, HF export) on XLA. The story of main(): config -> SPMD mesh with an `fsdp` axis -> data
-->
-model in host memory -> FSDPv2 per planned unit (optionally with gradient checkpointing) -> train loop with
-the
-batch sharded over `fsdp` -> DCP checkpoints -> HF export.
+-> model in host memory -> FSDPv2 per planned unit (optionally with gradient checkpointing) -> train loop with
+the batch sharded over `fsdp` -> DCP checkpoints -> HF export.
 
 Why SPMD FSDPv2 (SpmdFullyShardedDataParallel) and not FSDPv1 (XlaFullyShardedDataParallel): one process per
 host drives all its devices and the XLA compiler inserts the all-gathers and reduce-scatters from sharding
 annotations, which is the path PyTorch/XLA recommends for TPUs. FSDPv1 needs one process per device, and
-multi-process collectives on XLA's CPU runtime hang, so it could never be tested here; `xla_fsdp_v2: false`
-is an error.
+multi-process collectives on XLA's CPU runtime hang, so it could never be tested here; `xla_fsdp_v2: false` is
+an error.
 
 Needs torch 2.9.0 + torch_xla 2.9.0 (requirements-xla.txt, their own environment). Without torch_xla this
 module still imports, so its config, wrap-plan and key helpers are tested with the main environment's torch.
@@ -249,7 +246,7 @@ def fixed_batch_loss(model, batch, mesh, compute_dtype: torch.dtype) -> float:
 
 
 def train_step(model, optimizer, micro_batches, mesh, compute_dtype, max_grad_norm: float) -> dict:
-    """One optimizer step (loss, grad norm, tokens); the loss is divided by the step's target tokens, as in
+    """One optimizer step: loss, grad norm, tokens. The loss is divided by the step's target tokens, as in
     pretrain_fsdp.py."""
     tokens = sum(int((b.labels != -100).sum()) for b in micro_batches)  # one process sees the whole batch
     loss_sum = torch.zeros((), device=torch_xla.device())

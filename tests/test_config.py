@@ -15,8 +15,7 @@ pretrain_script = None
 
 
 def cli():
-    """scripts/pretrain_fsdp.py run as its command line does, in-process (errors come before any process
-    group)."""
+    """scripts/pretrain_fsdp.py run as its command line does, in-process (errors precede process groups)."""
     global pretrain_script
     if pretrain_script is None:
         import importlib.util

@@ -1,5 +1,4 @@
-"""eval_cp.py: the same eval loss, perplexity and accuracy for every cp / dp layout, counted once per
-token."""
+"""eval_cp.py: the same eval loss, perplexity and accuracy for every cp / dp layout, each token once."""
 
 import json
 import os

@@ -1,5 +1,5 @@
-"""slurm/8node.sh on a real two-node Slurm cluster on loopback (tests/slurm/cluster.sh), and multi-node
-torchrun."""
+"""The sbatch files on a real two-node Slurm cluster on loopback (tests/slurm/cluster.sh), and multi-node
+torchrun without Slurm."""
 
 import json
 import os

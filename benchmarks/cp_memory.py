@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.launch import REPO, TINY, tiny
+from tests.launch import REPO, TINY, run_command, tiny
 
 MODEL = [
     "model.config.hidden_size=256",
@@ -52,8 +51,7 @@ def evaluate(export: str, cp: int, run_dir: str) -> dict:
         f"parallelism.cp_size={cp}",
         "data.embedded_max_bytes=1000000",
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072")
-    subprocess.run(cmd, check=True, capture_output=True, env=env)
+    run_command(cmd, timeout=3600, extra_env={"MALLOC_MMAP_THRESHOLD_": "131072"})
     with open(os.path.join(run_dir, "eval_results.json")) as f:
         return json.load(f)
 
@@ -61,7 +59,7 @@ def evaluate(export: str, cp: int, run_dir: str) -> dict:
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # A model to score: the from-scratch init of debug_tiny widened, exported without training.
-        subprocess.run(
+        run_command(
             [
                 sys.executable,
                 os.path.join(REPO, "scripts", "pretrain_fsdp.py"),
@@ -72,9 +70,7 @@ def main() -> None:
                 "data.seq_len=64",
                 *MODEL,
             ],
-            check=True,
-            capture_output=True,
-            env=dict(os.environ, OMP_NUM_THREADS="1"),
+            timeout=3600,
         )
         print(
             f"| cp (1 sequence of {SEQ:,} tokens) | peak RSS GiB / rank (max) "

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -30,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from tests.launch import run_recipe, steady_step
+from tests.launch import run_command, run_recipe, steady_step
 
 COLLECTIVE_BYTES = 64 * 2**20
 
@@ -98,9 +97,7 @@ def measure_bandwidth(world: int, tiny: bool) -> dict:
         "--collectives",
         *(["--tiny"] if tiny else []),
     ]
-    out = subprocess.run(
-        cmd, check=True, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1")
-    )
+    out = run_command(cmd, timeout=3600)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

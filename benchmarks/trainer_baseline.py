@@ -71,7 +71,7 @@ from transformers import (
 
 from common.config import DataConfig, TrainConfig
 from common.data import build_batches
-from common.mesh import gather
+from common.mesh import end_process, gather
 from common.metrics import peak_memory_bytes, reset_peak_memory
 
 CPU, GIB, T = torch.device("cpu"), 2**30, TrainConfig()  # defaults are the recipe's
@@ -285,3 +285,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # The Trainer's gloo groups carry the recipes' exit hazard (common/mesh.end_process): leave the same way.
+    end_process(0, own_groups=True)

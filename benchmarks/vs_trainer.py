@@ -18,13 +18,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.launch import REPO, run_recipe
+from tests.launch import REPO, run_command, run_recipe
 
 MODEL = {
     "vocab_size": 4096,
@@ -82,7 +81,7 @@ def trainer(steps: int, best: bool, model: dict, seq: int) -> dict:
             f"--out={out}",
             *(["--best"] if best else []),
         ]
-        subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        run_command(cmd, timeout=3600)
         with open(out) as f:
             result = json.load(f)
     assert result["fsdp2_verified"], "the Trainer did not run FSDP2"

@@ -76,7 +76,7 @@ def collective_threads() -> list[str]:
     return [name for name in names if name.startswith(("pt_gloo", "gloo_", "pt_nccl"))]
 
 
-def end_process(exit_code: int) -> None:
+def end_process(exit_code: int, own_groups: bool | None = None) -> None:
     """Leave the process once main() has returned: every output is closed and the groups are destroyed.
 
     destroy_process_group() does not free a group: DTensor's caches (sharding propagation, redistribute
@@ -86,11 +86,13 @@ def end_process(exit_code: int) -> None:
     destructor calls std::terminate: "terminate called without an active exception", SIGABRT after the
     run's output is complete (pytorch/pytorch#179291 describes the same abort). So while such threads are
     alive, the process exits here without that teardown. Every exit path comes here, so each also destroys
-    the process group the same way, if main() did not.
+    the process group the same way, if main() did not. `own_groups`: whether this process's groups are its
+    own to end (default: whether init_distributed ran; a test calling main() in-process owns none).
     """
-    if _STARTED[0] and dist.is_initialized():  # a path that left main() early: a config error, a NaN stop
+    own = _STARTED[0] if own_groups is None else own_groups
+    if own and dist.is_initialized():  # a path that left main() early: a config error, a NaN stop
         dist.destroy_process_group()
-    if _STARTED[0] and collective_threads():
+    if own and collective_threads():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(exit_code)

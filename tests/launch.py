@@ -61,6 +61,14 @@ def run(
             path,
             *args,
         ]
+    return run_command(cmd, timeout, check, extra_env)
+
+
+def run_command(
+    cmd: list[str], timeout: int = 300, check: bool = True, extra_env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """Any command with env() and a timeout; a failure raises with the end of its stdout and stderr, where
+    faulthandler's stacks land."""
     proc = subprocess.run(
         cmd, cwd=REPO, env=env(**(extra_env or {})), capture_output=True, text=True, timeout=timeout
     )

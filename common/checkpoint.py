@@ -1,8 +1,5 @@
-"""Weights in and out: resume checkpoints, HF loading (optionally rank-0 + broadcast), the final export.
-
-Everything is written to `<name>.tmp` and renamed into place once complete on every rank, so a crash never
-leaves a half-written directory under a final name, and `resume: auto` never picks one.
-"""
+"""Weights in and out: resume checkpoints, HF loading, the final export. Everything is written to
+`<name>.tmp` and renamed once complete, so a crash never leaves a half-written one under a final name."""
 
 from __future__ import annotations
 
@@ -36,8 +33,13 @@ def checkpoints_dir(run_dir: str) -> str:
     return os.path.join(run_dir, "checkpoints")
 
 
+def _steps(root: str) -> list[int]:
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(int(m[1]) for m in map(STEP_DIR.match, names) if m)
+
+
 def find_resume_checkpoint(run_dir: str, resume: str) -> str | None:
-    """`auto`: the newest complete checkpoint of this run (or None); `none`: None; else the given path."""
+    """`auto`: this run's newest complete checkpoint, if any; `none`: None; else the given path."""
     if resume == "none":
         return None
     if resume != "auto":
@@ -48,26 +50,17 @@ def find_resume_checkpoint(run_dir: str, resume: str) -> str | None:
             )
         return resume
     root = checkpoints_dir(run_dir)
-    steps = [int(m[1]) for m in map(STEP_DIR.match, os.listdir(root) if os.path.isdir(root) else []) if m]
-    complete = [s for s in sorted(steps) if os.path.exists(os.path.join(root, f"step-{s}", TRAIN_STATE))]
+    complete = [s for s in _steps(root) if os.path.exists(os.path.join(root, f"step-{s}", TRAIN_STATE))]
     return os.path.join(root, f"step-{complete[-1]}") if complete else None
 
 
 def _training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list]:
-    """Tensors only: DCP unpickles any non-tensor value on load, and we never unpickle.
-
-    The optimizer's param_groups (lr, betas, ...) are not saved: they come from the config and the
-    scheduler, whose state goes to train_state.json.
-    """
+    """Tensors only: DCP unpickles any non-tensor value on load. param_groups come from the config."""
     optim = get_optimizer_state_dict(model, optimizer)  # allocates the state of a fresh optimizer
-    state = {
-        "model": get_model_state_dict(model),
-        "optim": optim["state"],
-        "rng": {"cpu": torch.get_rng_state()},
-    }
+    rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["rng"]["cuda"] = torch.cuda.get_rng_state()
-    return state, optim["param_groups"]
+        rng["cuda"] = torch.cuda.get_rng_state()
+    return {"model": get_model_state_dict(model), "optim": optim["state"], "rng": rng}, optim["param_groups"]
 
 
 def save_checkpoint(
@@ -79,20 +72,18 @@ def save_checkpoint(
     keep_latest: int,
     tokenizer=None,
 ) -> str:
-    """DCP of model + optimizer + RNG, plus train_state.json (step, samples, scheduler, data position)."""
     root = checkpoints_dir(run_dir)
     final = os.path.join(root, f"step-{step}")
     tmp = f"{final}.tmp"
     if dist.get_rank() == 0:
         os.makedirs(root, exist_ok=True)
         for name in os.listdir(root):  # leftovers of a save that crashed
-            if name.endswith(".tmp") and STEP_DIR.match(name[: -len(".tmp")]):
+            if name.endswith(".tmp") and STEP_DIR.match(name.removesuffix(".tmp")):
                 shutil.rmtree(os.path.join(root, name))
     dist.barrier()
     state, _ = _training_state(model, optimizer)
-    # Several writer threads per rank keep the disk busy while tensors are serialised.
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, thread_count=WRITER_THREADS))
-    inject_fault(step, run_dir, during_save=True)  # test hook: a crash in the middle of the write
+    inject_fault(step, run_dir, during_save=True)
     dist.barrier()  # every rank's shard is on disk before the checkpoint gets its final name
     if dist.get_rank() == 0:
         publish_checkpoint(tmp, final, train_state, model.config, tokenizer, keep_latest)
@@ -100,30 +91,31 @@ def save_checkpoint(
     return final
 
 
+def _save_config(out_dir: str, model_config, tokenizer) -> None:
+    model_config.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+
+
 def publish_checkpoint(
     tmp: str, final: str, train_state: dict, model_config, tokenizer, keep_latest: int
 ) -> None:
-    """Complete a written `step-N.tmp` (train state, config and tokenizer, so eval_cp.py can evaluate it
-    directly), rename it to `step-N`, and drop all but the newest `keep_latest`. One process only."""
+    """Complete `step-N.tmp` (with config and tokenizer, for eval_cp.py), rename it, drop old ones."""
     with open(os.path.join(tmp, TRAIN_STATE), "w") as f:
         json.dump(train_state, f)
-    model_config.save_pretrained(tmp)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
+    _save_config(tmp, model_config, tokenizer)
     publish(tmp, final)
     root = os.path.dirname(final)
-    steps = sorted(int(m[1]) for m in map(STEP_DIR.match, os.listdir(root)) if m)
-    for old in steps[:-keep_latest]:
+    for old in _steps(root)[:-keep_latest]:
         shutil.rmtree(os.path.join(root, f"step-{old}"))
 
 
 def _check_shapes(path: str, model: nn.Module) -> None:
-    """A checkpoint of another model fails here with the first differing tensor, not deep inside DCP."""
+    """A checkpoint of another model fails here, not deep inside DCP."""
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     for name, param in get_model_state_dict(model).items():
-        entry = saved.get(f"model.{name}")
-        here = list(param.shape)
-        there = list(entry.size) if entry is not None and hasattr(entry, "size") else None
+        entry, here = saved.get(f"model.{name}"), list(param.shape)
+        there = list(entry.size) if hasattr(entry, "size") else None
         if there != here:
             raise ConfigError(
                 f"checkpoint {path} holds a different model ({name} is {there} there, {here} here); "
@@ -132,8 +124,7 @@ def _check_shapes(path: str, model: nn.Module) -> None:
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> dict:
-    """Restore model, optimizer, scheduler and RNG in place (DCP reshards to this world size); returns
-    train_state (step, samples, data position)."""
+    """Restore model, optimizer, scheduler and RNG in place (DCP reshards); returns train_state."""
     _check_shapes(path, model)
     state, param_groups = _training_state(model, optimizer)
     dcp.load(state, checkpoint_id=path)
@@ -146,7 +137,6 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
 
 
 def restore_train_state(path: str, optimizer: torch.optim.Optimizer, scheduler) -> dict:
-    """Scheduler and learning rate from a checkpoint's train_state.json; returns it (step, samples, data)."""
     with open(os.path.join(path, TRAIN_STATE)) as f:
         train_state = json.load(f)
     scheduler.load_state_dict(train_state["scheduler"])
@@ -155,52 +145,36 @@ def restore_train_state(path: str, optimizer: torch.optim.Optimizer, scheduler) 
     return train_state
 
 
-def _hf_state_dict(path: str, trust_remote_code: bool) -> dict[str, torch.Tensor]:
-    # from_pretrained (rather than reading safetensors by hand) applies the model's own key renames and
-    # weight conversions, so any architecture Transformers loads works here.
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, trust_remote_code=trust_remote_code
-    )
-    return model.state_dict()
-
-
 def load_hf_weights(
     model: nn.Module, path: str, broadcast_from_rank0: bool, trust_remote_code: bool = False
 ) -> None:
-    """Fill a sharded (FSDP) model from an HF checkpoint.
+    """Fill a sharded model from an HF checkpoint; with broadcast_from_rank0 only rank 0 reads the files."""
+    full = {}
+    if dist.get_rank() == 0 or not broadcast_from_rank0:
+        # from_pretrained applies the model's own key renames and weight conversions.
+        from transformers import AutoModelForCausalLM
 
-    broadcast_from_rank0 (fsdp.cpu_ram_efficient_loading): only rank 0 reads the files; the others pass an
-    empty dict and receive each tensor by broadcast, keeping only their shard. Otherwise every rank reads
-    the whole checkpoint and keeps its shard.
-    """
-    read_here = dist.get_rank() == 0 or not broadcast_from_rank0
-    full = _hf_state_dict(path, trust_remote_code) if read_here else {}
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, trust_remote_code=trust_remote_code
+        )
+        full = hf_model.state_dict()
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0)
     set_model_state_dict(model, full, options=options)
-    del full
 
 
 def load_or_init_weights(model: nn.Module, cfg: Config, init_std: float) -> None:
-    """Fill a sharded, materialised model that starts a run: from a SHARDED export, an HF checkpoint, or a
-    fresh world-size-independent init (a resumed run loads its checkpoint instead)."""
+    """A new run's weights: a SHARDED export, an HF checkpoint, or a world-size-independent init."""
     source = cfg.model.name_or_path
     if source and is_sharded_export(source):
-        load_sharded_export(model, source)  # DCP reshards to this world size
+        load_sharded_export(model, source)
     elif source:
-        load_hf_weights(
-            model,
-            source,
-            broadcast_from_rank0=cfg.fsdp.cpu_ram_efficient_loading,
-            trust_remote_code=cfg.model.trust_remote_code,
-        )
+        load_hf_weights(model, source, cfg.fsdp.cpu_ram_efficient_loading, cfg.model.trust_remote_code)
     else:
         init_weights(model, cfg.train.seed, init_std)
 
 
 def export_final(model: nn.Module, cfg: Config, tokenizer, device_type: str) -> str:
-    """The run's result in `<checkpoint.dir>/export`, per fsdp.state_dict_type; returns the path."""
+    """`<checkpoint.dir>/export`, per fsdp.state_dict_type; returns the path."""
     export_dir = os.path.join(cfg.checkpoint.dir, "export")
     prepare_for_generation(model, tokenizer, from_scratch=not cfg.model.name_or_path)
     if cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
@@ -212,9 +186,7 @@ def export_final(model: nn.Module, cfg: Config, tokenizer, device_type: str) -> 
 
 
 def prepare_for_generation(model: nn.Module, tokenizer, from_scratch: bool) -> None:
-    """The exported config as generate() needs it: the KV cache back on (training turns it off), and for a
-    model built from model.config, whose ids are LlamaConfig's defaults, the tokenizer's own special ids
-    (a model loaded from model.name_or_path keeps its own)."""
+    """The KV cache back on; a model from model.config takes the tokenizer's special ids (not Llama's)."""
     model.config.use_cache = model.generation_config.use_cache = True
     if not from_scratch or tokenizer is None:
         return
@@ -224,7 +196,6 @@ def prepare_for_generation(model: nn.Module, tokenizer, from_scratch: bool) -> N
 
 
 def publish(tmp: str, final: str) -> None:
-    """Atomically swap a finished `tmp` directory into `final` (rank 0 only)."""
     old = f"{final}.old"
     if os.path.exists(final):
         os.replace(final, old)
@@ -233,7 +204,6 @@ def publish(tmp: str, final: str) -> None:
 
 
 def export_full(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype) -> None:
-    """FULL_STATE_DICT: one HF directory (safetensors + config + generation config + tokenizer)."""
     # Gathered to rank 0 on CPU one tensor at a time, so no GPU ever holds the whole model.
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
@@ -245,15 +215,11 @@ def export_full(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype) -
 
 
 def write_hf_directory(model: nn.Module, out_dir: str, state: dict, tokenizer, dtype: torch.dtype) -> None:
-    """safetensors + config + generation config + tokenizer, with config.dtype the dtype actually written."""
     model.save_pretrained(out_dir, state_dict=state)
     # save_pretrained records the dtype of the model's own (fp32 master) parameters, not of `state`.
     model.config.dtype = dtype
-    model.config.save_pretrained(out_dir)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
-    # safetensors arrive 0600 (written through a temporary file), the rest 0644: give all the mode a plain
-    # open() would, so whoever may read the config may read the weights.
+    _save_config(out_dir, model.config, tokenizer)
+    # safetensors arrive 0600, the rest 0644: give all the mode a plain open() would.
     umask = os.umask(0)
     os.umask(umask)
     for name in os.listdir(out_dir):
@@ -261,16 +227,13 @@ def write_hf_directory(model: nn.Module, out_dir: str, state: dict, tokenizer, d
 
 
 def export_sharded(model: nn.Module, out_dir: str, tokenizer) -> None:
-    """SHARDED_STATE_DICT: a DCP directory with one file per rank, plus config and tokenizer for reloading."""
     tmp = f"{out_dir}.tmp"
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
     dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=tmp)
     if dist.get_rank() == 0:
-        model.config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        _save_config(tmp, model.config, tokenizer)
         publish(tmp, out_dir)
     dist.barrier()
 
@@ -280,7 +243,6 @@ def is_sharded_export(path: str) -> bool:
 
 
 def load_sharded_export(model: nn.Module, path: str) -> None:
-    """Load a SHARDED_STATE_DICT export into an FSDP model of any world size (DCP reshards)."""
     state = {"model": get_model_state_dict(model)}
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])

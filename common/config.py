@@ -1,11 +1,5 @@
-"""The JSON config schema as dataclasses, and its validation: the reference for every key and default.
-
-Every section of the JSON file is one dataclass below and every key is a field of the same name.
-The `fsdp` section takes exactly the keys of a Transformers `fsdp_config`, so a user can paste theirs;
-common/config_sources.py reads it from the run config, `--fsdp-config`, `--accelerate-config` or the
-environment `accelerate launch` exports, and applies key=value overrides. This module imports no torch, so a
-bad config fails in well under a second.
-"""
+"""The JSON config schema as dataclasses (one per section, a field per key: the reference for every key and
+default) and its validation. It imports no torch, so a bad config fails in well under a second."""
 
 from __future__ import annotations
 
@@ -23,7 +17,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    name_or_path: str | None = None  # local HF directory or hub id; None means "from scratch"
+    name_or_path: str | None = None  # local HF directory or hub id; None: from scratch
     config: dict = field(default_factory=dict)  # inline LlamaConfig kwargs, used when name_or_path is None
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
@@ -31,9 +25,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # "embedded", local files (json/jsonl/parquet/txt), or a hub dataset name
+    # "embedded", local files (json/jsonl/parquet/txt), or a hub dataset name; SFT: JSONL of
+    # prompt/completion or chat-messages records, or the built-in "arithmetic" task
     dataset: str | list = "embedded"
-    # SFT: JSONL of prompt/completion or chat-messages records, or the built-in "arithmetic" task
     eval_dataset: str | list | None = None  # SFT held-out set, evaluated before and after training
     eval_split: str = "test"  # its split, for a hub dataset
     dataset_config: str | None = None
@@ -41,8 +35,7 @@ class DataConfig:
     text_field: str = "text"
     streaming: bool = False  # hub datasets only
     pack: bool = True  # concatenate documents with EOS; false: one padded document per sample
-    # packed documents attend only within themselves (position ids restart after EOS)
-    document_mask: bool = False
+    document_mask: bool = False  # packed documents attend only within themselves
     tokenizer: str | None = None  # None: the embedded byte-level BPE tokenizer
     seq_len: int = 256
     embedded_max_bytes: int = 4_000_000
@@ -52,8 +45,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    # 0: load (or init), evaluate the fixed batch and export, e.g. to convert SHARDED to FULL
-    steps: int = 100
+    steps: int = 100  # 0: load (or init), evaluate and export, e.g. to convert SHARDED to FULL
     global_batch_size: int = 16  # sequences per optimizer step, whatever the world size
     micro_batch_size: int = 4  # sequences per rank per forward/backward
     lr: float = 3e-4
@@ -66,16 +58,14 @@ class TrainConfig:
     eps: float = 1e-8
     max_grad_norm: float = 1.0
     seed: int = 0
-    gradient_checkpointing: bool = False  # the HF model's own; use fsdp.activation_checkpointing instead
+    gradient_checkpointing: bool = False  # the HF model's own; prefer fsdp.activation_checkpointing
     compile: bool = False  # torch.compile each transformer layer
-    # Accelerate's sync_each_batch: false reduce-scatters gradients once per step, on the last micro-batch
-    # (the others accumulate unsharded gradients: fewer collectives, more memory); true, after every
-    # micro-batch.
+    # Accelerate's sync_each_batch. false: reduce-scatter once per step, on the last micro-batch (fewer
+    # collectives, more memory for unsharded gradients); true: after every micro-batch.
     sync_each_batch: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # stop (with a checkpoint) after this many steps of this run, keeping the train.steps schedule
-    stop_after: int = 0
-    router_aux_loss_coef: float | None = None  # MoE load-balancing loss weight; None: the model config's own
+    stop_after: int = 0  # stop (with a checkpoint) after this many steps of this run; 0: never
+    router_aux_loss_coef: float | None = None  # MoE load-balancing loss weight; None: the model's own
 
 
 @dataclass
@@ -92,12 +82,11 @@ class FsdpConfig:
     cpu_ram_efficient_loading: bool = False
     activation_checkpointing: bool = False
     mixed_precision: dict | str | None = None  # None: bf16 params + fp32 reduce on CUDA, fp32 on CPU
-    # PyTorch/XLA keys of the Transformers fsdp_config; only scripts/tpu_xla_fsdp.py uses them.
+    # PyTorch/XLA keys of the Transformers fsdp_config, for scripts/tpu_xla_fsdp.py only.
     xla: bool = False
     xla_fsdp_settings: dict = field(default_factory=dict)
     xla_fsdp_grad_ckpt: bool = False
-    # SPMD FSDPv2; Transformers defaults to FSDPv1, which tpu_xla_fsdp.py does not implement
-    xla_fsdp_v2: bool = True
+    xla_fsdp_v2: bool = True  # SPMD FSDPv2; Transformers defaults to FSDPv1, which is not implemented here
 
 
 @dataclass
@@ -133,11 +122,10 @@ class MetricsConfig:
 
 @dataclass
 class EvalConfig:
-    max_sequences: int = 64  # sequences of data.seq_len + 1 tokens evaluated, from the start of the data
+    max_sequences: int = 64  # sequences of data.seq_len + 1 tokens, from the start of the data
     batch_size: int = 1  # sequences per data-parallel rank per forward
     load_balance: bool = True  # head-tail (zig-zag) sharding: every cp rank gets the same causal work
-    # lm_head + cross-entropy this many tokens at a time: no full-vocabulary logits
-    loss_chunk_tokens: int = 1024
+    loss_chunk_tokens: int = 1024  # lm_head + cross-entropy this many tokens at a time
     attention: Literal["auto", "allgather", "torch_cp"] = "auto"  # auto: torch_cp on CUDA, else allgather
 
 
@@ -153,59 +141,35 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)  # scripts/eval_cp.py only
 
 
-STATE_DICT_TYPES = {
-    "FULL_STATE_DICT": "FULL_STATE_DICT",
-    "FULL": "FULL_STATE_DICT",
-    "SHARDED_STATE_DICT": "SHARDED_STATE_DICT",
-    "SHARDED": "SHARDED_STATE_DICT",
-}
-DTYPE_NAMES = {
-    "bf16": "bfloat16",
-    "bfloat16": "bfloat16",
-    "fp32": "float32",
-    "float32": "float32",
-    "no": "float32",
-    "fp16": "float16",
-    "float16": "float16",
-}
+STATE_DICT_TYPES = {"FULL": "FULL_STATE_DICT", "SHARDED": "SHARDED_STATE_DICT"}  # Accelerate's short names
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "no": "float32", "fp16": "float16"}
 
 
 def did_you_mean(key: str, choices, list_valid: bool = True) -> str:
-    """A close match from `choices`, else (with list_valid) all of them: the end of an error line."""
+    """The end of an error line: a close match from `choices`, else (with list_valid) all of them."""
     close = difflib.get_close_matches(key, list(choices), n=1)
     if close:
         return f" (did you mean '{close[0]}'?)"
     return f" (valid: {', '.join(sorted(choices))})" if list_valid else ""
 
 
-def fill(obj, values: dict, prefix: str) -> None:
-    """Set dataclass fields from a dict, recursing into sections; unknown keys are errors."""
-    names = {f.name: f for f in dataclasses.fields(obj)}
-    for key, value in values.items():
-        if key not in names:
-            raise ConfigError(f"unknown key '{prefix}{key}'{did_you_mean(key, names)}")
-        current = getattr(obj, key)
-        if dataclasses.is_dataclass(current):
-            if not isinstance(value, dict):
-                raise ConfigError(f"'{prefix}{key}' must be an object, got {value!r}")
-            fill(current, value, f"{prefix}{key}.")
-        else:
-            setattr(obj, key, value)
-
-
 def class_names(value: list | str | None) -> list[str]:
-    if not value:
-        return []
     if isinstance(value, str):
         return [name.strip() for name in value.split(",") if name.strip()]
-    return list(value)
+    return list(value or [])
+
+
+def state_dict_type(value: Any) -> Any:
+    """fsdp.state_dict_type upper-cased, Accelerate's FULL / SHARDED spelled out; unknown ones as given."""
+    if not isinstance(value, str):
+        return value
+    name = STATE_DICT_TYPES.get(value.upper(), value.upper())
+    return name if name in STATE_DICT_TYPES.values() else value
 
 
 def mixed_precision_dtypes(value: dict | str | None, device_type: str) -> dict:
     if value is None:
-        if device_type == "cuda":
-            return {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
-        return {"param_dtype": "float32", "reduce_dtype": "float32"}
+        value = "bfloat16" if device_type == "cuda" else "float32"
     if isinstance(value, str):
         value = {"param_dtype": value, "reduce_dtype": "float32"}
     if not isinstance(value, dict) or set(value) - {"param_dtype", "reduce_dtype"}:
@@ -216,35 +180,30 @@ def mixed_precision_dtypes(value: dict | str | None, device_type: str) -> dict:
     out = {}
     for key in ("param_dtype", "reduce_dtype"):
         name = str(value.get(key, "float32")).lower().replace("torch.", "")
-        if name not in DTYPE_NAMES:
+        name = DTYPE_ALIASES.get(name, name)
+        if name not in ("bfloat16", "float32", "float16"):
             raise ConfigError(f"fsdp.mixed_precision.{key} is {value.get(key)!r}; use bfloat16 or float32")
-        if DTYPE_NAMES[name] == "float16":
+        if name == "float16":
             raise ConfigError(
                 f"fsdp.mixed_precision.{key} is float16, which needs loss scaling that FSDP2 "
                 f"does not do; use bfloat16"
             )
-        out[key] = DTYPE_NAMES[name]
+        out[key] = name
     return out
 
 
 def resolve_mixed_precision(fsdp: FsdpConfig, device_type: str) -> dict:
-    """{'param_dtype': name, 'reduce_dtype': name} for this device; the default follows the device."""
+    """{'param_dtype': name, 'reduce_dtype': name}; the default follows the device."""
     return mixed_precision_dtypes(fsdp.mixed_precision, device_type)
 
 
-def layer_class_names(fsdp: FsdpConfig) -> list[str]:
-    return class_names(fsdp.transformer_layer_cls_to_wrap)
-
-
 def _fits(value: Any, hint: Any) -> bool:
-    """Whether a JSON value matches a field's annotation. A bool is an int in Python, but a size given as
-    `true` is a typo, so bools fit only bool; an int fits a float."""
+    """Whether a JSON value matches a field's annotation. A bool fits only bool (a size given as `true` is a
+    typo); an int fits a float."""
     if get_origin(hint) is Literal:
         return value in get_args(hint)
     if get_origin(hint) in (Union, types.UnionType):
         return any(_fits(value, arg) for arg in get_args(hint))
-    if hint is Any:
-        return True
     if hint is type(None):
         return value is None
     if hint in (int, float) and isinstance(value, bool):
@@ -252,50 +211,35 @@ def _fits(value: Any, hint: Any) -> bool:
     return isinstance(value, (int, float) if hint is float else get_origin(hint) or hint)
 
 
+TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+TYPE_NAMES.update({list: "a list", dict: "an object", type(None): "null"})
+
+
 def _describe(hint: Any) -> str:
     if get_origin(hint) is Literal:
         return "one of " + ", ".join(map(str, get_args(hint)))
     if get_origin(hint) in (Union, types.UnionType):
         return " or ".join(_describe(arg) for arg in get_args(hint))
-    names = {
-        bool: "true or false",
-        int: "an integer",
-        float: "a number",
-        str: "a string",
-        list: "a list",
-        dict: "an object",
-        type(None): "null",
-    }
-    return names.get(get_origin(hint) or hint, str(hint))
+    return TYPE_NAMES.get(get_origin(hint) or hint, str(hint))
 
 
-# The smallest value each numeric key takes; the field comments say what the bound means.
-AT_LEAST = {
-    "train.steps": 0,
-    "train.global_batch_size": 1,
-    "train.micro_batch_size": 1,
-    "train.warmup_steps": 0,
-    "train.stop_after": 0,
-    "data.seq_len": 2,
-    "checkpoint.interval": 0,
-    "checkpoint.keep_latest": 1,
-    "metrics.log_every": 1,
-}
+# The smallest value of each numeric key.
+AT_LEAST = {"train.steps": 0, "train.global_batch_size": 1, "train.micro_batch_size": 1, "data.seq_len": 2}
+AT_LEAST.update({"train.warmup_steps": 0, "train.stop_after": 0, "checkpoint.interval": 0})
+AT_LEAST.update({"checkpoint.keep_latest": 1, "metrics.log_every": 1})
 ABOVE_ZERO = ("train.lr", "parallelism.timeout_minutes")
 
 
 def _check_types(cfg: Config) -> None:
-    """Every key against its field's annotation and bounds: one line naming the key, the value and the fix."""
+    """Every key against its field's annotation and bounds."""
     for section in dataclasses.fields(cfg):
         values = getattr(cfg, section.name)
         for key, hint in get_type_hints(type(values)).items():
             path, value = f"{section.name}.{key}", getattr(values, key)
             if not _fits(value, hint):
-                close = (
-                    did_you_mean(str(value), get_args(hint), list_valid=False)
-                    if get_origin(hint) is Literal
-                    else ""
-                )
+                close = ""
+                if get_origin(hint) is Literal:
+                    close = did_you_mean(str(value), get_args(hint), list_valid=False)
                 raise ConfigError(f"{path} is {value!r}; use {_describe(hint)}{close}")
             if path in AT_LEAST and value < AT_LEAST[path]:
                 raise ConfigError(f"{path} is {value}; it must be >= {AT_LEAST[path]}")
@@ -304,12 +248,11 @@ def _check_types(cfg: Config) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Everything that can be checked before touching a model or a GPU; identical on every rank."""
+    """Everything that can be checked before touching a model or a GPU."""
     t, f, p = cfg.train, cfg.fsdp, cfg.parallelism
     if f.version != 2:
         raise ConfigError(f"fsdp.version is {f.version}; FSDP1 is not supported, set it to 2 (fully_shard)")
-    if isinstance(f.state_dict_type, str):  # Accelerate's short names
-        f.state_dict_type = STATE_DICT_TYPES.get(f.state_dict_type.upper(), f.state_dict_type)
+    f.state_dict_type = state_dict_type(f.state_dict_type)
     if f.auto_wrap_policy == "SIZE_BASED_WRAP" and f.min_num_params is None:
         f.min_num_params = 100_000_000  # Accelerate's default
     _check_types(cfg)
@@ -343,28 +286,17 @@ def validate(cfg: Config) -> None:
             f"checkpoint's config.json defines the model, so set model.config={{}}"
         )
     if f.cpu_ram_efficient_loading and not cfg.model.name_or_path:
-        # Accepted so the Transformers docs' fsdp_config works as is: from scratch nothing is read from disk
-        # and no rank ever materialises the full model anyway.
+        # Accepted so the Transformers docs' fsdp_config works as is: from scratch, no rank ever
+        # materialises the full model anyway.
         warnings.warn("fsdp.cpu_ram_efficient_loading has no effect without model.name_or_path", stacklevel=2)
-    for key in (
-        "dp_replicate_size",
-        "dp_shard_size",
-        "fsdp_size",
-        "ep_size",
-        "tp_size",
-        "cp_size",
-        "sp_size",
-    ):
-        if getattr(p, key) == 0 or getattr(p, key) < -1:
-            raise ConfigError(
-                f"parallelism.{key} is {getattr(p, key)}; use a positive integer (or -1 for the rest)"
-            )
+    for key, value in vars(p).items():
+        if key.endswith("_size") and (value == 0 or value < -1):
+            raise ConfigError(f"parallelism.{key} is {value}; use a positive integer (or -1 for the rest)")
     if p.cp_size > 1 and p.sp_size > 1:
         raise ConfigError(f"parallelism.cp_size={p.cp_size} and sp_size={p.sp_size} are both > 1; pick one")
 
 
 def check_batch_sizes(t: TrainConfig, dp_size: int) -> None:
-    """Every data-parallel rank gets whole micro-batches in every step."""
     if t.global_batch_size % (t.micro_batch_size * dp_size):
         raise ConfigError(
             f"train.global_batch_size ({t.global_batch_size}) is not a multiple of micro_batch_size "

@@ -1,6 +1,5 @@
-"""Where a run's config comes from, and in which order: defaults < the --config JSON < the external FSDP
-config (a Transformers fsdp_config JSON, an Accelerate YAML, or the environment `accelerate launch`
-exports) < key=value overrides. Then the command line of every script: parse_args and run_cli."""
+"""Where a run's config comes from, lowest to highest: defaults < the --config JSON < the external FSDP config
+(--fsdp-config, --accelerate-config or the `accelerate launch` environment) < key=value overrides."""
 
 from __future__ import annotations
 
@@ -12,19 +11,17 @@ import sys
 from typing import Any
 
 from common.config import (
-    STATE_DICT_TYPES,
     Config,
     ConfigError,
     FsdpConfig,
     class_names,
     did_you_mean,
-    fill,
     mixed_precision_dtypes,
+    state_dict_type,
     validate,
 )
 
-# FSDP1 options that Transformers/Accelerate configs may carry. FSDP2 has no equivalent, so we name the
-# replacement instead of silently ignoring them.
+# FSDP1 options with no FSDP2 equivalent: an error that names the replacement, never silently ignored.
 FSDP1_ONLY_KEYS = {
     "sharding_strategy": "use reshard_after_forward (and parallelism.dp_replicate_size for HYBRID_SHARD)",
     "backward_prefetch": "FSDP2 always prefetches the next all-gather in backward; remove it",
@@ -34,11 +31,19 @@ FSDP1_ONLY_KEYS = {
 # Accepted and ignored: FSDP2 always keeps original parameters, and module states are synchronised
 # by construction (deterministic init, or a rank-0 broadcast with cpu_ram_efficient_loading).
 FSDP2_IMPLIED_KEYS = {"use_orig_params", "sync_module_states", "activation_checkpointing_offload"}
-# Accelerate spells cpu_offload differently; Transformers silently ignores it, we map it.
+# Accelerate's names (Transformers silently ignores offload_params).
 FSDP_KEY_ALIASES = {
     "offload_params": "cpu_offload",
     "transformer_cls_to_wrap": "transformer_layer_cls_to_wrap",
 }
+# The FSDP_<KEY> variables of `accelerate launch` that mean something for FSDP2.
+LAUNCH_ENV_KEYS = """version reshard_after_forward offload_params auto_wrap_policy transformer_cls_to_wrap
+    state_dict_type cpu_ram_efficient_loading activation_checkpointing""".split()
+LAUNCH_ENV = "the accelerate launch environment"
+# Accelerate's parallelism_config keys (YAML `parallelism_config_<key>`, or PARALLELISM_CONFIG_<KEY>
+# variables); the ignored ones are meaningless here at these values only.
+PARALLELISM_KEYS = "dp_replicate_size dp_shard_size tp_size cp_size sp_size cp_comm_strategy".split()
+PARALLELISM_IGNORED = {"cp_backend": "torch", "sp_backend": "deepspeed"}
 
 
 def parse_scalar(text: str) -> Any:
@@ -49,6 +54,21 @@ def parse_scalar(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError:
         return text
+
+
+def fill(obj, values: dict, prefix: str) -> None:
+    """Set dataclass fields from a dict, recursing into sections."""
+    names = {f.name for f in dataclasses.fields(obj)}
+    for key, value in values.items():
+        if key not in names:
+            raise ConfigError(f"unknown key '{prefix}{key}'{did_you_mean(key, names)}")
+        current = getattr(obj, key)
+        if not dataclasses.is_dataclass(current):
+            setattr(obj, key, value)
+        elif isinstance(value, dict):
+            fill(current, value, f"{prefix}{key}.")
+        else:
+            raise ConfigError(f"'{prefix}{key}' must be an object, got {value!r}")
 
 
 def apply_override(cfg: Config, item: str, changes: list | None = None) -> None:
@@ -64,30 +84,23 @@ def apply_override(cfg: Config, item: str, changes: list | None = None) -> None:
         )
     obj: Any = cfg
     for depth, name in enumerate(parents + [leaf]):
-        is_leaf = depth == len(parents)
-        if isinstance(obj, dict):
-            if is_leaf:
-                _note_change(changes, path, obj.get(name), parse_scalar(text))
-                obj[name] = parse_scalar(text)
-                return
-            obj = obj.setdefault(name, {})
-            continue
-        valid = [f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) else []
-        if name not in valid:
-            where = ".".join(path.split(".")[: depth + 1])
-            raise ConfigError(f"unknown key '{where}' in override '{item}'{did_you_mean(name, valid)}")
-        if is_leaf:
-            if dataclasses.is_dataclass(getattr(obj, name)):
-                raise ConfigError(f"override '{item}' names a section; name one of its keys instead")
-            _note_change(changes, path, getattr(obj, name), parse_scalar(text))
-            setattr(obj, name, parse_scalar(text))
-            return
-        obj = getattr(obj, name)
-
-
-def _note_change(changes: list | None, path: str, old: Any, new: Any) -> None:
-    if changes is not None and old != new:
-        changes.append(f"{path} {old!r} -> {new!r} (key=value)")
+        if not isinstance(obj, dict):
+            valid = [f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) else []
+            if name not in valid:
+                where = ".".join(path.split(".")[: depth + 1])
+                raise ConfigError(f"unknown key '{where}' in override '{item}'{did_you_mean(name, valid)}")
+        if depth < len(parents):
+            obj = obj.setdefault(name, {}) if isinstance(obj, dict) else getattr(obj, name)
+    value = parse_scalar(text)
+    old = obj.get(leaf) if isinstance(obj, dict) else getattr(obj, leaf)
+    if dataclasses.is_dataclass(old):
+        raise ConfigError(f"override '{item}' names a section; name one of its keys instead")
+    if changes is not None and old != value:
+        changes.append(f"{path} {old!r} -> {value!r} (key=value)")
+    if isinstance(obj, dict):
+        obj[leaf] = value
+    else:
+        setattr(obj, leaf, value)
 
 
 def normalize_fsdp_keys(values: dict, source: str) -> dict:
@@ -95,7 +108,7 @@ def normalize_fsdp_keys(values: dict, source: str) -> dict:
     known = {f.name for f in dataclasses.fields(FsdpConfig)}
     out = {}
     for raw_key, value in values.items():
-        key = raw_key[len("fsdp_") :] if raw_key.startswith("fsdp_") else raw_key
+        key = raw_key.removeprefix("fsdp_")
         key = FSDP_KEY_ALIASES.get(key, key)
         if key in FSDP1_ONLY_KEYS:
             raise ConfigError(
@@ -116,8 +129,7 @@ def _read_yaml(path: str) -> dict:
         return yaml.safe_load(f) or {}
 
 
-def _accelerate_yaml(path: str) -> dict:
-    doc = _read_yaml(path)
+def _accelerate_fsdp(doc: dict, path: str) -> dict:
     if str(doc.get("distributed_type", "FSDP")).upper() != "FSDP":
         raise ConfigError(
             f"--accelerate-config {path}: distributed_type is {doc['distributed_type']!r}; set it to FSDP"
@@ -125,24 +137,7 @@ def _accelerate_yaml(path: str) -> dict:
     values = dict(doc.get("fsdp_config") or {})
     if "mixed_precision" in doc:
         values["mixed_precision"] = doc["mixed_precision"]
-    return values
-
-
-# Accelerate's `parallelism_config` block (YAML keys `parallelism_config_<name>`, or the
-# PARALLELISM_CONFIG_<NAME>
-# variables `accelerate launch` exports) onto our `parallelism` keys.
-ACCELERATE_PARALLELISM_KEYS = (
-    "dp_replicate_size",
-    "dp_shard_size",
-    "tp_size",
-    "cp_size",
-    "sp_size",
-    "cp_comm_strategy",
-)
-ACCELERATE_PARALLELISM_IGNORED = {
-    "cp_backend": "torch",
-    "sp_backend": "deepspeed",
-}  # meaningless here at these values
+    return normalize_fsdp_keys(values, path)
 
 
 def accelerate_parallelism(values: dict, source: str) -> dict:
@@ -150,57 +145,37 @@ def accelerate_parallelism(values: dict, source: str) -> dict:
     out = {}
     for raw_key, value in values.items():
         key = raw_key.lower().removeprefix("parallelism_config_")
-        if key in ACCELERATE_PARALLELISM_IGNORED:
-            if str(value) != ACCELERATE_PARALLELISM_IGNORED[key]:
+        if key in PARALLELISM_IGNORED:
+            if str(value) != PARALLELISM_IGNORED[key]:
                 raise ConfigError(
                     f"{raw_key}={value!r} in {source} is not supported; only "
-                    f"{ACCELERATE_PARALLELISM_IGNORED[key]!r} (remove it)"
+                    f"{PARALLELISM_IGNORED[key]!r} (remove it)"
                 )
             continue
-        if key not in ACCELERATE_PARALLELISM_KEYS:
+        if key not in PARALLELISM_KEYS:
             raise ConfigError(
-                f"'{raw_key}' in {source} has no equivalent here"
-                f"{did_you_mean(key, ACCELERATE_PARALLELISM_KEYS)}"
+                f"'{raw_key}' in {source} has no equivalent here{did_you_mean(key, PARALLELISM_KEYS)}"
             )
         out[key] = value if key == "cp_comm_strategy" else int(value)
     return out
 
 
 def accelerate_launch_env(environ: dict) -> dict:
-    """The fsdp keys that `accelerate launch` exports as environment variables.
-
-    accelerate exports every FSDP1 knob with a default too; only the ones that mean something for
-    FSDP2 are read, with the same mapping as --accelerate-config.
-    """
     if environ.get("ACCELERATE_USE_FSDP", "").lower() != "true":
         return {}
-    env_to_key = {
-        "FSDP_VERSION": "version",
-        "FSDP_RESHARD_AFTER_FORWARD": "reshard_after_forward",
-        "FSDP_OFFLOAD_PARAMS": "cpu_offload",
-        "FSDP_AUTO_WRAP_POLICY": "auto_wrap_policy",
-        "FSDP_TRANSFORMER_CLS_TO_WRAP": "transformer_layer_cls_to_wrap",
-        "FSDP_STATE_DICT_TYPE": "state_dict_type",
-        "FSDP_CPU_RAM_EFFICIENT_LOADING": "cpu_ram_efficient_loading",
-        "FSDP_ACTIVATION_CHECKPOINTING": "activation_checkpointing",
-        "ACCELERATE_MIXED_PRECISION": "mixed_precision",
-    }
-    out = {}
-    for env, key in env_to_key.items():
-        if env in environ:
-            out[key] = parse_scalar(environ[env])
-    # accelerate always exports FSDP_MIN_NUM_PARAMS (default 1e8); it only means something for
-    # SIZE_BASED_WRAP.
+    names = {f"FSDP_{key.upper()}": key for key in LAUNCH_ENV_KEYS}
+    names["ACCELERATE_MIXED_PRECISION"] = "mixed_precision"
+    values = {key: parse_scalar(environ[name]) for name, key in names.items() if name in environ}
+    out = normalize_fsdp_keys(values, LAUNCH_ENV)
+    # FSDP_MIN_NUM_PARAMS is always exported (default 1e8), but means something only for SIZE_BASED_WRAP.
     if out.get("auto_wrap_policy") == "SIZE_BASED_WRAP" and "FSDP_MIN_NUM_PARAMS" in environ:
         out["min_num_params"] = int(environ["FSDP_MIN_NUM_PARAMS"])
     return out
 
 
 def _layer_sources(run_config: dict, externals: list[tuple[str, dict]], section: str, changes: list) -> dict:
-    """The run config's keys, with the external FSDP/Accelerate sources on top (the more specific wins).
-    External sources must agree with each other: neither is more specific than the other."""
-    external: dict = {}
-    origin: dict = {}
+    """The run config's keys under the external sources' (more specific), which must agree with each other."""
+    external, origin = {}, {}
     for name, values in externals:
         for key, value in values.items():
             if key in external and _canonical(key, external[key]) != _canonical(key, value):
@@ -222,18 +197,16 @@ def _canonical(key: str, value: Any) -> Any:
         return json.dumps(mixed_precision_dtypes(value, "cuda"), sort_keys=True)
     if key == "transformer_layer_cls_to_wrap":
         return class_names(value)
-    if key == "state_dict_type" and isinstance(value, str):
-        return STATE_DICT_TYPES.get(value.upper(), value)
+    if key == "state_dict_type":
+        return state_dict_type(value)
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
     return value
 
 
 def parse_args(argv: list[str] | None = None, description: str = "", xla: bool = False) -> Config:
-    """`--config FILE [--fsdp-config F] [--accelerate-config F] [key.path=value ...]` -> a validated Config.
-
-    `xla`: whether the calling script is the PyTorch/XLA one; fsdp.xla must agree, so it is never ignored.
-    """
+    """The command line -> a validated Config. `xla`: whether the calling script is the PyTorch/XLA one;
+    fsdp.xla must agree, so it is never ignored."""
     parser = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -285,18 +258,17 @@ def load_config(
     environ: dict | None = None,
     changes: list | None = None,
 ) -> Config:
-    """Sources from lowest to highest: defaults, the --config file, the external FSDP config
-    (--fsdp-config, --accelerate-config or the accelerate launch environment), key=value overrides.
-    Each value a higher source changed is appended to `changes` as one short text."""
+    """Each value a higher source changed is appended to `changes` as one short text."""
     changes = [] if changes is None else changes
+    environ = environ or {}
     values = _read_json(path, "--config")
     cfg = Config()
-    fsdp_section = values.pop("fsdp", {}) or {}
+    run_fsdp = values.pop("fsdp", {}) or {}
     fill(cfg, values, "")
-    run_fsdp = normalize_fsdp_keys(fsdp_section, f"{path} (fsdp)")
-    sources = []
+    run_fsdp = normalize_fsdp_keys(run_fsdp, f"{path} (fsdp)")
+    fsdp_sources, parallelism_sources = [], []
     if fsdp_config:
-        sources.append(
+        fsdp_sources.append(
             (fsdp_config, normalize_fsdp_keys(_read_json(fsdp_config, "--fsdp-config"), fsdp_config))
         )
     if accelerate_config:
@@ -304,29 +276,22 @@ def load_config(
             raise ConfigError(
                 f"--accelerate-config {accelerate_config} does not exist; pass an existing YAML file"
             )
-        sources.append(
-            (accelerate_config, normalize_fsdp_keys(_accelerate_yaml(accelerate_config), accelerate_config))
-        )
-    launch_env = accelerate_launch_env(environ or {})
+        doc = _read_yaml(accelerate_config)
+        fsdp_sources.append((accelerate_config, _accelerate_fsdp(doc, accelerate_config)))
+    launch_env = accelerate_launch_env(environ)
     if launch_env:
-        sources.append(("the accelerate launch environment", launch_env))
-    fill(cfg.fsdp, _layer_sources(run_fsdp, sources, "fsdp", changes), "fsdp.")
-    parallelism = []
+        fsdp_sources.append((LAUNCH_ENV, launch_env))
+    fill(cfg.fsdp, _layer_sources(run_fsdp, fsdp_sources, "fsdp", changes), "fsdp.")
     if accelerate_config:
-        block = _read_yaml(accelerate_config).get("parallelism_config") or {}
-        parallelism.append((accelerate_config, accelerate_parallelism(block, accelerate_config)))
-    if (environ or {}).get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() == "true":
+        block = doc.get("parallelism_config") or {}
+        parallelism_sources.append((accelerate_config, accelerate_parallelism(block, accelerate_config)))
+    if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() == "true":
         exported = {k: v for k, v in environ.items() if k.startswith("PARALLELISM_CONFIG_")}
-        parallelism.append(
-            (
-                "the accelerate launch environment",
-                accelerate_parallelism(exported, "the accelerate launch environment"),
-            )
-        )
-    run_parallelism = values.get("parallelism", {})
-    fill(
-        cfg.parallelism, _layer_sources(run_parallelism, parallelism, "parallelism", changes), "parallelism."
+        parallelism_sources.append((LAUNCH_ENV, accelerate_parallelism(exported, LAUNCH_ENV)))
+    run_parallelism = _layer_sources(
+        values.get("parallelism", {}), parallelism_sources, "parallelism", changes
     )
+    fill(cfg.parallelism, run_parallelism, "parallelism.")
     for item in overrides:
         apply_override(cfg, item, changes)
     validate(cfg)
@@ -334,8 +299,8 @@ def load_config(
 
 
 def run_cli(main, argv: list[str] | None = None) -> None:
-    """Run a script's main(argv); bad input becomes one line and exit 2, with no traceback, on every rank.
-    Then leave through common/mesh.end_process, which keeps gloo from aborting the exit."""
+    """Run a script's main(argv): bad input is one line and exit 2 on every rank, with no traceback. Leave
+    through common/mesh.end_process, which keeps gloo from aborting the exit."""
     from common.mesh import end_process  # here: the rest of this module imports no torch
 
     exit_code = 0

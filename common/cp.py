@@ -1,14 +1,5 @@
-"""Context parallelism on any device: each cp rank holds some positions of every sequence, and attention
-all-gathers K and V over the cp group and masks by global position.
-
-torch's context_parallel needs CUDA SDPA kernels (on CPU it has no sharding strategy for
-_scaled_dot_product_flash_attention_for_cpu). This path works everywhere, and in backward too. eval_cp.py and
-pretrain_fsdp.py (long-context training) share it, so eval uses the same CP as training by construction.
-
-The all-gather is torch's functional `all_gather_single_autograd` (backward: reduce-scatter). The older
-`torch.distributed.nn.functional.all_gather` gave wrong K/V gradients on gloo here (grad norm 0.871 instead
-of the one-process 0.947 on the first step of debug_tiny at cp=2).
-"""
+"""Context parallelism on any device (torch's context_parallel needs CUDA SDPA): each cp rank holds some
+positions of every sequence, and attention all-gathers K and V and masks by global position."""
 
 from __future__ import annotations
 
@@ -23,20 +14,15 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from common.config import ConfigError
 
-# The cp group, and how this rank's queries sit in the sequence, set by setup(). The attention function is
-# called by the model's own layers, so it can only read them from here.
+# Set by setup(): the model's own layers call the attention function, so it can only read its state here.
 CP: dict = {}
 ATTENTION = "cp_allgather"
 TORCH_ATTENTION = "cp_torch"
-# Queries per attention call. Where the causal bias must be materialised (CPU), the mask is [QUERY_BLOCK,
-# keys]: 8k tokens at cp 2 peaked at 170 MB with whole 4k-query shards and 60 MB with 1024-query blocks,
-# equally fast.
+# Queries per attention call: bounds a materialised (CPU) mask; 8k tokens at cp 2 peaked at 60 MB, not 170.
 QUERY_BLOCK = 1024
 
 
 def _whole_sequence(local: torch.Tensor, dim: int, gather=all_gather_single) -> torch.Tensor:
-    """This rank's shard of every sequence -> whole sequences in position order (head-tail shards arrive out
-    of order, so they are sorted by position). K and V pass all_gather_single_autograd to keep gradients."""
     if CP["size"] == 1:
         return local
     full = gather(local.contiguous(), gather_dim=dim, group=CP["group"])
@@ -44,26 +30,20 @@ def _whole_sequence(local: torch.Tensor, dim: int, gather=all_gather_single) -> 
 
 
 def allgather_kv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Causal attention over a sequence sharded across the cp group: gather K and V, mask by global position.
-
-    HF's attention_mask describes only the local shard, so it is ignored. Each contiguous block of this
-    rank's queries, global positions [start, end), attends to the keys before `end` with a lower-right causal
-    bias, which CUDA kernels apply without materialising a mask (a [local, full] mask at 128k tokens would be
-    gigabytes) and which skips keys no query here can see. With data.document_mask, a [block, end] boolean
-    mask also keeps each query inside its document, found from the position ids (a document starts at 0).
-    """
+    """Each query block [start, end) attends to the keys before `end` with a lower-right causal bias, which
+    CUDA applies without materialising a mask. HF's attention_mask describes the local shard: ignored."""
+    # all_gather_single_autograd (backward: reduce-scatter): torch.distributed.nn's all_gather gave wrong
+    # K/V gradients on gloo (grad norm 0.871 instead of 0.947 on debug_tiny's first step at cp=2).
     key = _whole_sequence(key, dim=2, gather=all_gather_single_autograd)
     value = _whole_sequence(value, dim=2, gather=all_gather_single_autograd)
     if CP["document_mask"]:
         documents = (_whole_sequence(kwargs["position_ids"], dim=1) == 0).cumsum(dim=1)  # [batch, seq]
         query_documents = documents[:, CP["positions"]]
-    gqa = query.shape[1] != key.shape[1]
     blocks = []
     for local, start, end in CP["query_blocks"]:
         if CP["document_mask"]:
-            causal = torch.arange(start, end, device=query.device)[:, None] >= torch.arange(
-                end, device=query.device
-            )
+            keys = torch.arange(end, device=query.device)
+            causal = torch.arange(start, end, device=query.device)[:, None] >= keys
             same_document = query_documents[:, local : local + end - start, None] == documents[:, None, :end]
             mask = (causal & same_document).unsqueeze(1)
         else:
@@ -75,15 +55,14 @@ def allgather_kv_attention(module, query, key, value, attention_mask, dropout=0.
                 value[:, :, :end],
                 attn_mask=mask,
                 scale=scaling,
-                enable_gqa=gqa,
+                enable_gqa=query.shape[1] != key.shape[1],
             )
         )
     return torch.cat(blocks, dim=2).transpose(1, 2).contiguous(), None
 
 
 def torch_cp_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Transformers' SDPA made plainly causal: inside torch's context_parallel, SDPA becomes ring attention,
-    which needs is_causal and no mask (HF's mask would describe only the local shard)."""
+    """Inside torch's context_parallel SDPA becomes ring attention, which needs is_causal and no mask."""
     return sdpa_attention_forward(module, query, key, value, None, dropout, scaling, is_causal=True)
 
 
@@ -92,7 +71,7 @@ AttentionInterface.register(TORCH_ATTENTION, torch_cp_attention)
 
 
 def shard_positions(seq_len: int, cp_size: int, cp_rank: int, load_balance: bool) -> torch.Tensor:
-    """The positions a cp rank holds: chunk r, or chunks r and 2cp-1-r (head-tail) to balance causal work."""
+    """Chunk r, or chunks r and 2cp-1-r (head-tail) to balance causal work."""
     if not load_balance:
         return torch.arange(seq_len).chunk(cp_size)[cp_rank]
     chunks = torch.arange(seq_len).chunk(2 * cp_size)
@@ -102,7 +81,6 @@ def shard_positions(seq_len: int, cp_size: int, cp_rank: int, load_balance: bool
 def check_cp(
     seq_len: int, cp_size: int, load_balance: bool, hf_config: PretrainedConfig | None = None
 ) -> None:
-    """Fails up front on a length the shards cannot split evenly, or attention the mask cannot express."""
     multiple = 2 * cp_size if load_balance else cp_size
     if seq_len % multiple:
         lower, upper = seq_len // multiple * multiple, (seq_len // multiple + 1) * multiple
@@ -126,18 +104,13 @@ def check_cp(
 def setup(
     seq_len: int, cp_size: int, load_balance: bool, device: torch.device, document_mask: bool = False
 ) -> tuple[torch.Tensor, int, DeviceMesh]:
-    """Set this rank's CP state. Returns the positions it holds (index inputs, labels and position ids with
-    them), its data-parallel rank, and the cp mesh. With document_mask the model must be given position ids
-    that restart at 0 for every document (common/data.document_positions), sharded like the inputs.
-
-    The (dp, cp) mesh puts the cp ranks of one data-parallel rank next to each other, so a row-major FSDP
-    mesh over the same ranks (build_dp_mesh with dp_shard x cp) shards over dp x cp, with or without HSDP.
-    """
+    """Set this rank's CP state; returns its positions (index inputs, labels and position ids with them),
+    its data-parallel rank and the mesh. The (dp, cp) mesh keeps a data-parallel rank's cp ranks adjacent,
+    so build_dp_mesh(dp_shard x cp) over the same ranks shards over dp x cp."""
     mesh = init_device_mesh(
         device.type, (dist.get_world_size() // cp_size, cp_size), mesh_dim_names=("dp", "cp")
     )
-    cp_rank = mesh.get_local_rank("cp")
-    positions = shard_positions(seq_len, cp_size, cp_rank, load_balance)
+    positions = shard_positions(seq_len, cp_size, mesh.get_local_rank("cp"), load_balance)
     every_rank = torch.cat([shard_positions(seq_len, cp_size, r, load_balance) for r in range(cp_size)])
     runs = torch.tensor_split(positions, (torch.nonzero(positions.diff() != 1).flatten() + 1).tolist())
     blocks, local = [], 0
@@ -146,13 +119,13 @@ def setup(
             end = min(start + QUERY_BLOCK, int(run[-1]) + 1)
             blocks.append((local, start, end))
             local += end - start
-    ordered = bool((every_rank.diff() == 1).all())
+    in_order = bool((every_rank.diff() == 1).all())  # head-tail shards arrive out of order: sort them
     CP.update(
         size=cp_size,
         group=mesh.get_group("cp"),
         query_blocks=blocks,
         document_mask=document_mask,
         positions=positions.to(device),
-        key_order=None if ordered else every_rank.argsort().to(device),
+        key_order=None if in_order else every_rank.argsort().to(device),
     )
     return positions.to(device), mesh.get_local_rank("dp"), mesh

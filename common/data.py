@@ -1,10 +1,6 @@
-"""Tokenizer, dataset loading, packing and per-rank batches.
-
-Local data (the embedded corpus or json/jsonl/parquet/txt files) is tokenized once by rank 0 into a
-cached `[num_samples, seq_len + 1]` int32 array that every rank memory-maps. Sample k of the run is a
-pure function of (seed, k), and step s uses samples [s*B, (s+1)*B) whatever the world size, so the
-math does not change with the number of ranks and the position can be resumed anywhere.
-"""
+"""Tokenizer, datasets, packing and per-rank batches. Rank 0 tokenizes local data once into a cached
+`[samples, seq_len + 1]` array that every rank memory-maps; step s uses samples [s*B, (s+1)*B), shuffled by
+seed alone, so the math does not change with the world size and a run resumes anywhere."""
 
 from __future__ import annotations
 
@@ -26,44 +22,38 @@ from common.embedded import (
     ensure_embedded_tokenizer,
 )
 
-PAD = -1  # marks padding inside the cached array; it becomes pad_token_id in inputs and -100 in labels
+PAD = -1  # padding inside the cached array; it becomes pad_token_id in inputs and -100 in labels
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
+# DataConfig fields that do not change the token array, so are not in its cache key.
+NOT_CACHED = ("eval_dataset", "eval_split", "streaming", "document_mask", "cache_dir")
 
 
 def _cache_key(cfg: DataConfig, extra: str) -> str:
-    fields = {
-        k: getattr(cfg, k)
-        for k in (
-            "dataset",
-            "dataset_config",
-            "split",
-            "text_field",
-            "tokenizer",
-            "seq_len",
-            "embedded_max_bytes",
-            "embedded_vocab_size",
-            "pack",
-        )
-    }
-    return hashlib.sha256(
-        (json.dumps(fields, sort_keys=True) + EMBEDDED_CORPUS + extra).encode()
-    ).hexdigest()[:16]
+    fields = {k: v for k, v in vars(cfg).items() if k not in NOT_CACHED}
+    text = json.dumps(fields, sort_keys=True) + EMBEDDED_CORPUS + extra
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def local_files(dataset: str | list) -> list[str] | None:
-    """The local files a `data.dataset` value names (paths or globs), or None if it names none."""
+    """The local files `data.dataset` names (paths or globs), or None."""
     patterns = dataset if isinstance(dataset, list) else [dataset]
     files = sorted(f for p in patterns for f in glob.glob(os.path.expanduser(p)))
     if not files:
         return None
-    exts = {os.path.splitext(f)[1] for f in files}
-    if len(exts) != 1 or exts.pop() not in LOCAL_FORMATS:
+    exts = sorted({os.path.splitext(f)[1] for f in files})
+    if len(exts) != 1 or exts[0] not in LOCAL_FORMATS:
         raise ConfigError(
-            f"data.dataset {dataset!r} matches files of types "
-            f"{sorted({os.path.splitext(f)[1] for f in files})}; "
-            f"use one of {', '.join(LOCAL_FORMATS)}"
+            f"data.dataset {dataset!r} matches files of types {exts}; use one of {', '.join(LOCAL_FORMATS)}"
         )
     return files
+
+
+def load_local(files: list[str], split: str, **kwargs):
+    import datasets
+
+    return datasets.load_dataset(
+        LOCAL_FORMATS[os.path.splitext(files[0])[1]], data_files=files, split=split, **kwargs
+    )
 
 
 def file_fingerprint(files: list[str]) -> str:
@@ -84,23 +74,12 @@ def load_tokenizer(cfg: DataConfig):
         ) from None
 
 
-def _documents(cfg: DataConfig, files: list[str] | None) -> list[str]:
-    if cfg.dataset == "embedded":
-        return embedded_documents(cfg.embedded_max_bytes)
-    import datasets
-
-    ds = datasets.load_dataset(
-        LOCAL_FORMATS[os.path.splitext(files[0])[1]], data_files=files, split=cfg.split
-    )
-    if cfg.text_field not in ds.column_names:
-        raise ConfigError(
-            f"data.text_field is {cfg.text_field!r} but {cfg.dataset} has columns {ds.column_names}"
-        )
-    return list(ds[cfg.text_field])
+def pad_token_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def _pack(token_lists: list[list[int]], eos_id: int, seq_len: int, pack: bool) -> np.ndarray:
-    """[N, seq_len + 1] rows: concatenated documents with EOS between them, or one padded document per row."""
+    """[N, seq_len + 1] rows: documents joined by EOS, or one padded document per row."""
     if pack:
         stream = np.fromiter((t for ids in token_lists for t in (*ids, eos_id)), dtype=np.int32)
         n = (len(stream) - 1) // seq_len
@@ -113,11 +92,30 @@ def _pack(token_lists: list[list[int]], eos_id: int, seq_len: int, pack: bool) -
     return rows
 
 
-def prepare_local_data(cfg: DataConfig, is_main: bool, build=None, tag: str = "") -> str:
-    """Rank 0 builds (or finds) the token array in the cache; returns the array's path.
+def _tokenize(cfg: DataConfig, files: list[str] | None) -> np.ndarray:
+    if cfg.dataset == "embedded":
+        documents = embedded_documents(cfg.embedded_max_bytes)
+    else:
+        ds = load_local(files, cfg.split)
+        if cfg.text_field not in ds.column_names:
+            raise ConfigError(
+                f"data.text_field is {cfg.text_field!r} but {cfg.dataset} has columns {ds.column_names}"
+            )
+        documents = list(ds[cfg.text_field])
+    tokenizer = load_tokenizer(cfg)
+    ids = tokenizer(documents, add_special_tokens=False)["input_ids"]
+    rows = _pack(ids, tokenizer.eos_token_id, cfg.seq_len, cfg.pack)
+    if len(rows) == 0:
+        raise ConfigError(
+            f"data.dataset {cfg.dataset!r} yields no sample of data.seq_len={cfg.seq_len} tokens; "
+            f"lower data.seq_len or add data"
+        )
+    return rows
 
-    build() returns the array (default: pretraining's packed documents); tag tells its cache apart.
-    """
+
+def prepare_local_data(cfg: DataConfig, is_main: bool, build=None, tag: str = "") -> str:
+    """Rank 0 builds (or finds) the cached token array; returns its path. build(): the array (default:
+    pretraining's packed documents); tag tells its cache apart."""
     files = None if cfg.dataset == "embedded" else local_files(cfg.dataset)
     if build is None and cfg.dataset != "embedded" and files is None:
         raise ConfigError(
@@ -145,74 +143,63 @@ def prepare_local_data(cfg: DataConfig, is_main: bool, build=None, tag: str = ""
     return tokens_path
 
 
-def _tokenize(cfg: DataConfig, files: list[str] | None) -> np.ndarray:
-    tokenizer = load_tokenizer(cfg)
-    ids = tokenizer(_documents(cfg, files), add_special_tokens=False)["input_ids"]
-    rows = _pack(ids, tokenizer.eos_token_id, cfg.seq_len, cfg.pack)
-    if len(rows) == 0:
-        raise ConfigError(
-            f"data.dataset {cfg.dataset!r} yields no sample of data.seq_len={cfg.seq_len} tokens; "
-            f"lower data.seq_len or add data"
-        )
-    return rows
-
-
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # [micro_batch, seq_len]
     labels: torch.Tensor  # [micro_batch, seq_len], -100 where no loss is taken
     sample_ids: list[int]  # global sample positions, for tests and resumption
-    # restart at 0 per packed example (SFT) or document (document_mask)
-    position_ids: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None  # restart at 0 per packed example (SFT) or document
     token_mask: torch.Tensor | None = None  # SFT: True for real tokens, False for padding
 
 
 def document_positions(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """Position ids that restart after every EOS. Given these, each packed document attends only to itself:
-    Transformers builds that mask from them in one process, and common/cp.py's attention does under CP."""
+    """Position ids that restart after every EOS: Transformers (and common/cp.py under CP) then keeps each
+    packed document's attention inside it."""
     index = torch.arange(input_ids.shape[1]).expand_as(input_ids)
     starts = torch.zeros_like(input_ids, dtype=torch.bool)
     starts[:, 1:] = input_ids[:, :-1] == eos_id
     return index - torch.where(starts, index, 0).cummax(dim=1).values
 
 
+def _to_batch(rows: np.ndarray, positions: list[int], pad_id: int, document_eos: int | None) -> Batch:
+    rows = torch.from_numpy(rows.astype(np.int64))
+    inputs, labels = rows[:, :-1].clone(), rows[:, 1:].clone()
+    inputs[inputs == PAD] = pad_id
+    labels[labels == PAD] = -100
+    documents = None if document_eos is None else document_positions(inputs, document_eos)
+    return Batch(inputs, labels, positions, position_ids=documents)
+
+
+@dataclass(eq=False)
 class LocalBatches:
     """Deterministic, world-size-independent micro-batches for one data-parallel rank."""
 
-    def __init__(
-        self,
-        tokens_path: str,
-        pad_id: int,
-        seed: int,
-        global_batch: int,
-        micro_batch: int,
-        dp_rank: int,
-        dp_size: int,
-        document_eos: int | None = None,
-    ):
-        self.tokens_path = tokens_path
-        self.rows = np.load(tokens_path, mmap_mode="r")
-        self.pad_id, self.seed, self.document_eos = pad_id, seed, document_eos
-        self.global_batch, self.micro_batch = global_batch, micro_batch
-        self.dp_rank, self.dp_size = dp_rank, dp_size
+    tokens_path: str
+    pad_id: int
+    seed: int
+    global_batch: int
+    micro_batch: int
+    dp_rank: int
+    dp_size: int
+    document_eos: int | None = None
+
+    def __post_init__(self):
+        self.rows = np.load(self.tokens_path, mmap_mode="r")
         self._epoch, self._perm = -1, None
 
     def _row(self, position: int) -> np.ndarray:
         epoch, index = divmod(position, len(self.rows))
-        if epoch != self._epoch:  # reshuffle every pass over the data
-            self._epoch, self._perm = (
-                epoch,
-                np.random.default_rng(self.seed + epoch).permutation(len(self.rows)),
-            )
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._perm = np.random.default_rng(self.seed + epoch).permutation(len(self.rows))
         return self.rows[self._perm[index]]
 
     def micro_batches(self, first_sample: int) -> list[Batch]:
-        """This rank's share of the step whose global samples are [first_sample, first_sample + B)."""
         per_rank = self.global_batch // self.dp_size
         start = first_sample + self.dp_rank * per_rank
         out = []
-        for m in range(0, per_rank, self.micro_batch):
-            positions = list(range(start + m, start + m + self.micro_batch))
+        for m in range(start, start + per_rank, self.micro_batch):
+            positions = list(range(m, m + self.micro_batch))
             out.append(self._batch(np.stack([self._row(p) for p in positions]), positions))
         return out
 
@@ -223,25 +210,15 @@ class LocalBatches:
         pass
 
     def fixed_batch(self, size: int) -> Batch:
-        """The first `size` rows of the data, unshuffled: a batch anyone can rebuild to check a model."""
+        """The first rows, unshuffled: a batch anyone can rebuild to check a model."""
         return self._batch(np.asarray(self.rows[:size]), [])
 
     def _batch(self, rows: np.ndarray, positions: list[int]) -> Batch:
-        rows = torch.from_numpy(rows.astype(np.int64))
-        inputs = rows[:, :-1].clone()
-        inputs[inputs == PAD] = self.pad_id
-        labels = rows[:, 1:].clone()
-        labels[labels == PAD] = -100
-        if self.document_eos is None:
-            return Batch(inputs, labels, positions)
-        return Batch(inputs, labels, positions, position_ids=document_positions(inputs, self.document_eos))
+        return _to_batch(rows, positions, self.pad_id, self.document_eos)
 
 
 class StreamingBatches:
-    """A dataset streamed and packed on the fly (a hub name, or local files); each rank reads its own part.
-
-    Positions here are per rank, so unlike LocalBatches the batches depend on the world size.
-    """
+    """Streamed and packed on the fly; each rank reads its own part, so batches depend on the world size."""
 
     def __init__(
         self, cfg: DataConfig, tokenizer, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int
@@ -252,12 +229,7 @@ class StreamingBatches:
         files = local_files(cfg.dataset)
         try:
             if files:
-                ds = datasets.load_dataset(
-                    LOCAL_FORMATS[os.path.splitext(files[0])[1]],
-                    data_files=files,
-                    split=cfg.split,
-                    streaming=True,
-                )
+                ds = load_local(files, cfg.split, streaming=True)
             else:
                 ds = datasets.load_dataset(cfg.dataset, cfg.dataset_config, split=cfg.split, streaming=True)
         except Exception as e:  # the hub client raises many types; all mean "cannot get this dataset"
@@ -270,6 +242,7 @@ class StreamingBatches:
         self.tokenizer, self.cfg = tokenizer, cfg
         self.accum = global_batch // (micro_batch * dp_size)
         self.micro_batch, self.dp_size = micro_batch, dp_size
+        self.document_eos = tokenizer.eos_token_id if cfg.document_mask else None
         self.buffer: list[int] = []
         self.consumed = 0
 
@@ -304,29 +277,23 @@ class StreamingBatches:
     def micro_batches(self, first_sample: int) -> list[Batch]:
         out = []
         for _ in range(self.accum):
-            rows = torch.tensor([self._next_row() for _ in range(self.micro_batch)])
+            rows = np.array([self._next_row() for _ in range(self.micro_batch)])
             positions = list(range(self.consumed, self.consumed + self.micro_batch))
             self.consumed += self.micro_batch
-            inputs = rows[:, :-1].clone()
-            documents = (
-                document_positions(inputs, self.tokenizer.eos_token_id) if self.cfg.document_mask else None
-            )
-            out.append(Batch(inputs, rows[:, 1:].clone(), positions, position_ids=documents))
+            out.append(_to_batch(rows, positions, PAD, self.document_eos))  # streamed rows hold no PAD
         return out
 
 
 def build_batches(
     cfg: DataConfig, seed: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, is_main: bool
 ):
-    """(tokenizer, batches) for a run; batches.micro_batches(step) gives this rank's micro-batches."""
     ensure_embedded_tokenizer(cfg, is_main)
     if cfg.streaming:
         tokenizer = load_tokenizer(cfg)
         return tokenizer, StreamingBatches(cfg, tokenizer, global_batch, micro_batch, dp_rank, dp_size)
     tokens_path = prepare_local_data(cfg, is_main)
     tokenizer = load_tokenizer(cfg)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     document_eos = tokenizer.eos_token_id if cfg.document_mask else None
     return tokenizer, LocalBatches(
-        tokens_path, pad_id, seed, global_batch, micro_batch, dp_rank, dp_size, document_eos
+        tokens_path, pad_token_id(tokenizer), seed, global_batch, micro_batch, dp_rank, dp_size, document_eos
     )

@@ -1,5 +1,5 @@
-"""The built-in corpus and its tokenizer, so the default run needs no download: the Python standard
-library's own sources, and a byte-level BPE tokenizer trained on them once and cached."""
+"""The built-in corpus (the Python standard library's sources) and a byte-level BPE tokenizer trained on it
+once and cached, so the default run needs no download."""
 
 from __future__ import annotations
 
@@ -15,12 +15,10 @@ from common.config import DataConfig
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
-# bump when the corpus selection changes
-EMBEDDED_CORPUS = f"stdlib{sys.version_info[0]}.{sys.version_info[1]}-v2"
+EMBEDDED_CORPUS = f"stdlib{sys.version_info[0]}.{sys.version_info[1]}-v2"  # bump when the selection changes
 
 
 def embedded_documents(max_bytes: int) -> list[str]:
-    """The Python standard library's own sources: always on disk, so the default run needs no download."""
     root = sysconfig.get_paths()["stdlib"]
     docs, total = [], 0
     for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
@@ -63,7 +61,7 @@ def embedded_tokenizer_dir(cfg: DataConfig) -> str:
 
 
 def ensure_embedded_tokenizer(cfg: DataConfig, is_main: bool) -> None:
-    """Rank 0 trains the embedded tokenizer once per cache; the others wait for it."""
+    """Rank 0 trains it once per cache; the others wait."""
     tok_dir = embedded_tokenizer_dir(cfg)
     if cfg.tokenizer is None and is_main and not os.path.exists(tok_dir):
         os.makedirs(os.path.dirname(tok_dir), exist_ok=True)

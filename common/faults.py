@@ -1,9 +1,6 @@
-"""Test hooks for crash recovery, off unless FSDP2_RECIPES_FAULT is set: `<point>@<step>[:<rank>]`.
-
-kill SIGKILLs the rank after that step's update, save SIGKILLs it inside that step's checkpoint write (after
-the data, before the rename), hang stops it in place, nan poisons the step's loss. Each fires once per run
-directory, so a job that restarts gets past it.
-"""
+"""Test hooks for crash recovery, off unless FSDP2_RECIPES_FAULT is `<point>@<step>[:<rank>]`: kill (after
+the step's update), save (inside its checkpoint write, before the rename), hang, or nan (poisons the loss).
+Each fires once per run directory, so a job that restarts gets past it."""
 
 from __future__ import annotations
 

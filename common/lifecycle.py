@@ -1,5 +1,4 @@
-"""What a training run does around its steps: stop early when asked, check that every node sees the run
-directory, and the bookkeeping after each step that both training scripts share."""
+"""Around a training run's steps: preemption, the shared-storage check, the bookkeeping after each step."""
 
 from __future__ import annotations
 
@@ -8,6 +7,8 @@ import math
 import os
 import signal
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,12 +21,8 @@ from common.metrics import GIB, CommCounter, MetricsLogger, StepTimer, peak_memo
 
 
 class PreemptionWatch:
-    """Asks for a checkpoint-and-exit at the next step boundary.
-
-    Two triggers: SIGUSR1 delivered to a training process, or the file named by FSDP2_RECIPES_PREEMPT_FILE
-    appearing. Slurm signals the batch shell (`--signal=B:USR1@120`), which creates that file, because
-    torchrun's agent dies on SIGUSR1 instead of forwarding it. Ranks agree through one all-reduce per step.
-    """
+    """Asks for a checkpoint-and-exit on SIGUSR1, or once the file FSDP2_RECIPES_PREEMPT_FILE exists (Slurm
+    signals the batch shell, which creates it: torchrun's agent dies on SIGUSR1 instead of forwarding it)."""
 
     def __init__(self, device: torch.device):
         self.device, self.signalled = device, False
@@ -53,11 +50,9 @@ def check_shared_storage(run_dir: str) -> None:
         with open(path, "w") as f:
             f.write(token[0])
     dist.broadcast_object_list(token, src=0)
-    try:
-        with open(path) as f:
-            seen = f.read() == token[0]
-    except OSError:
-        seen = False
+    seen = False
+    with contextlib.suppress(OSError), open(path) as f:
+        seen = f.read() == token[0]
     unseen = torch.tensor(0.0 if seen else 1.0)  # a CPU tensor: gloo carries it, also beside NCCL
     dist.all_reduce(unseen)
     if unseen.item():
@@ -67,32 +62,27 @@ def check_shared_storage(run_dir: str) -> None:
         )
 
 
+@dataclass(eq=False)
 class Bookkeeping:
     """After each optimizer step: log when due, stop on a non-finite loss, and checkpoint every
-    checkpoint.interval steps, at the end, and when the run must stop early (preemption, train.stop_after).
-    Used as `with Bookkeeping(...) as book:` around the loop, which counts collectives when
-    metrics.comm_stats is on."""
+    checkpoint.interval steps, at the end, and on an early stop (preemption, train.stop_after). A context
+    manager around the loop, which counts collectives when metrics.comm_stats is on."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        logger: MetricsLogger,
-        start_step: int,
-        device: torch.device,
-        timer: StepTimer,
-        *,
-        model,
-        optimizer,
-        scheduler,
-        data,
-        tokenizer,
-        save: Callable[..., str] = save_checkpoint,
-    ):
-        self.cfg, self.logger, self.timer, self.start_step = cfg, logger, timer, start_step
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.data, self.tokenizer, self.save = data, tokenizer, save  # `save`: PyTorch/XLA has its own
-        self.device = device
-        self.preemption = PreemptionWatch(self.device)  # SIGUSR1 or the Slurm batch script's request file
+    cfg: Config
+    logger: MetricsLogger
+    start_step: int
+    device: torch.device
+    timer: StepTimer
+    _: KW_ONLY
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    data: Any
+    tokenizer: Any
+    save: Callable[..., str] = save_checkpoint  # PyTorch/XLA has its own
+
+    def __post_init__(self):
+        self.preemption = PreemptionWatch(self.device)
         self.comm = CommCounter()
         self.stopped = False
         self._counting = contextlib.ExitStack()
@@ -106,10 +96,8 @@ class Bookkeeping:
         self._counting.close()
 
     def after_step(self, step: int, stats: dict, tokens: int) -> bool:
-        """`stats`: the step's loss and other numbers to log; `tokens`: what tokens/s counts. Returns True
-        when the run must stop here (its checkpoint is written)."""
+        """`stats`: the step's loss and other numbers to log. True: stop here (the checkpoint is written)."""
         t, run_dir = self.cfg.train, self.cfg.checkpoint.dir
-        # test hook (FSDP2_RECIPES_FAULT); kills or hangs, or poisons the loss
         if inject_fault(step, run_dir):
             stats["loss"] = math.nan
         if not math.isfinite(stats["loss"]):
@@ -139,13 +127,11 @@ class Bookkeeping:
     def _save(self, step: int, stats: dict) -> str:
         train_state = {
             "step": step,
-            "samples": stats["samples"],  # the global data position: a resume on any world size continues it
+            "samples": stats["samples"],  # the global data position, the same on any world size
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "loss": stats["loss"],
             "scheduler": self.scheduler.state_dict(),
             "data": gather(self.data.state_dict()),
         }
-        keep = self.cfg.checkpoint.keep_latest
-        return self.save(
-            self.cfg.checkpoint.dir, step, self.model, self.optimizer, train_state, keep, self.tokenizer
-        )
+        c = self.cfg.checkpoint
+        return self.save(c.dir, step, self.model, self.optimizer, train_state, c.keep_latest, self.tokenizer)

@@ -14,8 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from common.config import ConfigError, ParallelismConfig
 
-# Whether init_distributed ran in this process, so end_process may end it (not a test calling main()
-# in-process).
+# Whether init_distributed ran in this process, so end_process may end it (not a test calling main()).
 _STARTED = [False]
 
 
@@ -32,9 +31,7 @@ class Dist:
 
 
 def gather(obj) -> list:
-    """One small picklable object per rank, as a list on every rank (for per-rank logs). Without a process
-    group (one PyTorch/XLA host), the list holds this process's object only."""
-    if not dist.is_initialized():
+    if not dist.is_initialized():  # one PyTorch/XLA host
         return [obj]
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
@@ -50,45 +47,35 @@ def resolve_device(preference: str) -> torch.device:
 
 
 def init_distributed(device_preference: str, timeout_minutes: float) -> Dist:
-    """NCCL on CUDA (gloo alongside for CPU tensors), gloo on CPU; works under torchrun or as one process."""
+    """NCCL on CUDA (with gloo for CPU tensors), gloo on CPU; under torchrun or as one process."""
     _STARTED[0] = True
     device = resolve_device(device_preference)
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    cuda = device.type == "cuda"
     timeout = timedelta(minutes=timeout_minutes)
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.set_device(device)
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
     if "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
-    else:
-        # A plain `python script.py` run: a one-rank group, so FSDP runs the same code as under torchrun.
+        dist.init_process_group(backend, timeout=timeout, device_id=device if cuda else None)
+    else:  # plain `python script.py`: a one-rank group, so FSDP runs the same code as under torchrun
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), device)
 
 
 def collective_threads() -> list[str]:
-    """Names of this process's gloo and NCCL threads, which live exactly as long as their process groups."""
-    if not os.path.isdir("/proc/self/task"):  # not Linux: nothing to look at
-        return []
+    """This process's gloo and NCCL threads, which live exactly as long as their process groups."""
     names = []
-    for task in os.listdir("/proc/self/task"):
+    for task in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:
         with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as f:
             names.append(f.read().strip())
     return [name for name in names if name.startswith(("pt_gloo", "gloo_", "pt_nccl"))]
 
 
 def end_process(exit_code: int, own_groups: bool | None = None) -> None:
-    """Leave the process once main() has returned: every output is closed and the groups are destroyed.
-
-    destroy_process_group() does not free a group: DTensor's caches (sharding propagation, redistribute
-    plans, mesh topology) keep every DeviceMesh, and a mesh keeps its groups, until interpreter
-    finalization. A gloo worker still dropping the last collective's work then has to take the GIL to free
-    its tensors; Python ends such a thread with pthread_exit, whose unwind through the work's noexcept
-    destructor calls std::terminate: "terminate called without an active exception", SIGABRT after the
-    run's output is complete (pytorch/pytorch#179291 describes the same abort). So while such threads are
-    alive, the process exits here without that teardown. Every exit path comes here, so each also destroys
-    the process group the same way, if main() did not. `own_groups`: whether this process's groups are its
-    own to end (default: whether init_distributed ran; a test calling main() in-process owns none).
-    """
+    """Leave the process after main(), destroying the process group if main() did not. DTensor's caches keep
+    every mesh's groups until interpreter finalization, where a gloo worker still freeing tensors aborts
+    ("terminate called without an active exception", pytorch/pytorch#179291); so while such threads live,
+    exit without that teardown. `own_groups` defaults to whether init_distributed ran."""
     own = _STARTED[0] if own_groups is None else own_groups
     if own and dist.is_initialized():  # a path that left main() early: a config error, a NaN stop
         dist.destroy_process_group()
@@ -100,18 +87,16 @@ def end_process(exit_code: int, own_groups: bool | None = None) -> None:
         sys.exit(exit_code)
 
 
-def resolve_dp_sizes(p: ParallelismConfig, world_size: int) -> tuple[int, int]:
-    """(dp_replicate, dp_shard) for HSDP; -1 in either means "the rest of the world".
-
-    With context parallelism the cp ranks of a data-parallel group share a batch, so the data-parallel
-    sizes cover world_size / cp_size ranks (FSDP still shards the weights over dp_shard x cp).
-    """
-    for key in ("ep_size", "tp_size", "sp_size"):
+def _require_one(p: ParallelismConfig, keys: tuple[str, ...], why: str) -> None:
+    for key in keys:
         if getattr(p, key) != 1:
-            raise ConfigError(
-                f"parallelism.{key} is {getattr(p, key)} but pretrain_fsdp.py has no expert or "
-                f"tensor parallelism; set it to 1 (EP/TP: finetune_moe_ep_fsdp.py)"
-            )
+            raise ConfigError(f"parallelism.{key} is {getattr(p, key)} but {why}")
+
+
+def resolve_dp_sizes(p: ParallelismConfig, world_size: int) -> tuple[int, int]:
+    """(dp_replicate, dp_shard) for HSDP over world_size / cp_size ranks (cp ranks share a batch)."""
+    why = "pretrain_fsdp.py has no expert or tensor parallelism; set it to 1 (EP/TP: finetune_moe_ep_fsdp.py)"
+    _require_one(p, ("ep_size", "tp_size", "sp_size"), why)
     if world_size % p.cp_size:
         raise ConfigError(f"parallelism.cp_size={p.cp_size} does not divide the world size {world_size}")
     world_size //= p.cp_size
@@ -160,12 +145,7 @@ class MoeSizes:
 
 
 def resolve_moe_sizes(p: ParallelismConfig, world_size: int, num_experts: int) -> MoeSizes:
-    for key in ("cp_size", "sp_size"):
-        if getattr(p, key) != 1:
-            raise ConfigError(
-                f"parallelism.{key} is {getattr(p, key)} but finetune_moe_ep_fsdp.py has no context "
-                f"parallelism; set it to 1"
-            )
+    _require_one(p, ("cp_size", "sp_size"), "finetune_moe_ep_fsdp.py has no context parallelism; set it to 1")
     if p.dp_shard_size != -1:
         raise ConfigError(
             f"parallelism.dp_shard_size is {p.dp_shard_size}; finetune_moe_ep_fsdp.py uses "
@@ -208,14 +188,12 @@ def data_parallel_rank(dense: DeviceMesh) -> int:
 
 
 def fsdp_meshes(dense: DeviceMesh, expert: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
-    """What FSDP shards over in each view: (dp_replicate, fsdp) for dense weights, (dp_replicate, efsdp)
-    for experts; dp_replicate only with more than one replica (fully_shard then replicates over it)."""
+    """What FSDP shards dense weights and experts over; dp_replicate only with more than one replica."""
     replicate = ("dp_replicate",) if dense["dp_replicate"].size() > 1 else ()
     return dense[(*replicate, "fsdp")], expert[(*replicate, "efsdp")]
 
 
 def build_moe_meshes(device_type: str, s: MoeSizes) -> tuple[DeviceMesh, DeviceMesh]:
-    """Two views of the same ranks, as Transformers builds them: dense and expert."""
     dense = init_device_mesh(
         device_type, (s.dp_replicate, s.fsdp, s.tp), mesh_dim_names=("dp_replicate", "fsdp", "tp")
     )

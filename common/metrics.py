@@ -8,6 +8,7 @@ import json
 import os
 import resource
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,8 @@ GIB = 2**30
 
 # Dense bf16 peak FLOP/s per device, from the vendors' datasheets (no sparsity).
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
+STEP_FORMATS = {"loss": ".4f", "grad_norm": ".3f", "lr": ".2e", "tokens_per_s": ",.0f"}
+STEP_FORMATS.update({"tokens_per_s_per_device": ",.0f", "mfu": ".1%", "peak_mem_gib": ".2f", "eta_s": ".0f"})
 
 
 def device_peak_flops(device: torch.device) -> float | None:
@@ -29,11 +32,10 @@ def device_peak_flops(device: torch.device) -> float | None:
 
 
 def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
-    """Training FLOPs per token: 6 * N (N without the input embedding, a lookup) + 12 * L * H * S (attention
-    scores and values, forward + backward). The same formula as PaLM's appendix B and torchtitan."""
+    """Training FLOPs per token as PaLM (appendix B) and torchtitan count them: 6 * N (N without the input
+    embedding, a lookup) + 12 * L * H * S for attention."""
     config = model.config
-    num_params = sum(p.numel() for p in model.parameters())
-    dense = num_params - model.get_input_embeddings().weight.numel()
+    dense = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
     return 6 * dense + 12 * config.num_hidden_layers * config.hidden_size * seq_len
 
 
@@ -44,8 +46,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     try:
         with open("/proc/self/status") as f:
             return int(next(line for line in f if line.startswith("VmHWM:")).split()[1]) * 1024
-    except (OSError, StopIteration):
-        # not Linux: peak since start, in KiB
+    except (OSError, StopIteration):  # not Linux: peak since start
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -54,15 +55,12 @@ def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # Linux: resets VmHWM to the current RSS
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # Linux: resets VmHWM to the current RSS
 
 
 def _short(value) -> str:
-    """A value as a person reads it: 4 significant digits, thousands separators, per-rank lists compact."""
+    """A value as a person reads it: 4 significant digits, thousands separators, compact per-rank lists."""
     if isinstance(value, bool) or value is None:
         return str(value)
     if isinstance(value, int):
@@ -79,19 +77,17 @@ def _short(value) -> str:
 
 
 def event_line(record: dict) -> str:
-    """`model_ready: params 1,196,608, ...`: the terminal's form of an event; metrics.jsonl keeps the JSON."""
+    """`model_ready: params 1,196,608, ...`: an event as the terminal shows it."""
     fields = ", ".join(f"{key} {_short(value)}" for key, value in record.items() if key != "event")
     return f"{record['event']}: {fields}"
 
 
 class MetricsLogger:
-    """Rank 0 writes run_config.json (the resolved config) and metrics.jsonl; other ranks hold a logger that
-    does nothing, so call sites need no rank checks."""
+    """Rank 0 writes run_config.json and metrics.jsonl; on other ranks it does nothing, so callers need no
+    rank checks."""
 
     def __init__(self, cfg: Config, enabled: bool):
-        self.enabled = enabled
-        self.file = None
-        self.tb = None
+        self.enabled, self.file, self.tb = enabled, None, None
         if not enabled:
             return
         run_dir = cfg.checkpoint.dir
@@ -100,39 +96,28 @@ class MetricsLogger:
             json.dump(dataclasses.asdict(cfg), f, indent=2)
         self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         if cfg.metrics.tensorboard:
-            try:
+            with contextlib.suppress(ImportError):
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
-            except ImportError:
-                pass
 
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        if "step" in record and "event" not in record:
-            parts = [f"step {record['step']}"]
-            for key, fmt in (
-                ("loss", ".4f"),
-                ("grad_norm", ".3f"),
-                ("lr", ".2e"),
-                ("tokens_per_s", ",.0f"),
-                ("tokens_per_s_per_device", ",.0f"),
-                ("mfu", ".1%"),
-                ("peak_mem_gib", ".2f"),
-                ("eta_s", ".0f"),
-            ):
-                if record.get(key) is not None:
-                    parts.append(f"{key} {format(record[key], fmt)}")
-            print(" | ".join(parts), flush=True)
-            if self.tb is not None:
-                for key, value in record.items():
-                    if isinstance(value, (int, float)) and key != "step":
-                        self.tb.add_scalar(key, value, record["step"])
-        else:
+        if "step" not in record or "event" in record:
             print(event_line(record), flush=True)
+            return
+        parts = [f"step {record['step']}"]
+        parts += [
+            f"{k} {format(record[k], fmt)}" for k, fmt in STEP_FORMATS.items() if record.get(k) is not None
+        ]
+        print(" | ".join(parts), flush=True)
+        if self.tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tb.add_scalar(key, value, record["step"])
 
     def close(self) -> None:
         if self.file is not None:
@@ -141,37 +126,30 @@ class MetricsLogger:
             self.tb.close()
 
 
+@dataclass
 class StepTimer:
     """Tokens/s, MFU and ETA from wall time between logged steps."""
 
-    def __init__(
-        self,
-        total_steps: int,
-        world_size: int,
-        flops_per_token: float | None = None,
-        peak_flops: float | None = None,
-    ):
-        self.total_steps, self.flops_per_token = total_steps, flops_per_token
-        self.peak_flops, self.world_size = peak_flops, world_size
+    total_steps: int
+    world_size: int
+    flops_per_token: float | None = None
+    peak_flops: float | None = None
+    tokens_since: int = 0
+
+    def __post_init__(self):
         self.start = self.last = time.perf_counter()
-        self.tokens_since = 0
 
     def add(self, tokens: int) -> None:
-        """Count a step's tokens (every step; record() turns them into rates)."""
         self.tokens_since += tokens
 
     def record(self, step: int) -> dict:
-        """Rates since the last record; `step` counts the steps this run has done (for the ETA)."""
         now = time.perf_counter()
-        elapsed, self.last = now - self.last, now
-        tps = self.tokens_since / max(elapsed, 1e-9)
-        self.tokens_since = 0
+        tps = self.tokens_since / max(now - self.last, 1e-9)
+        self.last, self.tokens_since = now, 0
         per_device = tps / self.world_size
-        mfu = (
-            per_device * self.flops_per_token / self.peak_flops
-            if self.peak_flops and self.flops_per_token
-            else None
-        )
+        mfu = None
+        if self.peak_flops and self.flops_per_token:
+            mfu = per_device * self.flops_per_token / self.peak_flops
         eta = (now - self.start) / step * (self.total_steps - step)
         return {"tokens_per_s": tps, "tokens_per_s_per_device": per_device, "mfu": mfu, "eta_s": eta}
 
@@ -179,32 +157,29 @@ class StepTimer:
 class CommCounter:
     """Counts the calls and bytes of FSDP's all-gathers and reduce-scatters by wrapping the c10d functions."""
 
+    KEYS = [f"{kind}_{unit}" for unit in ("calls", "bytes") for kind in ("all_gather", "reduce_scatter")]
+
     def __init__(self):
-        self.counts = {"all_gather": 0, "reduce_scatter": 0}
-        self.bytes = {"all_gather": 0, "reduce_scatter": 0}
+        self.counts = dict.fromkeys(self.KEYS, 0)
 
     def reset(self) -> dict:
-        snapshot = {f"{k}_calls": v for k, v in self.counts.items()}
-        snapshot.update({f"{k}_bytes": v for k, v in self.bytes.items()})
-        self.counts = dict.fromkeys(self.counts, 0)
-        self.bytes = dict.fromkeys(self.bytes, 0)
+        snapshot, self.counts = self.counts, dict.fromkeys(self.KEYS, 0)
         return snapshot
+
+    def _counted(self, kind: str, collective):
+        def wrapper(output, input, *args, **kwargs):
+            full = output if kind == "all_gather" else input  # the unsharded side
+            self.counts[f"{kind}_calls"] += 1
+            self.counts[f"{kind}_bytes"] += full.numel() * full.element_size()
+            return collective(output, input, *args, **kwargs)
+
+        return wrapper
 
     @contextlib.contextmanager
     def patch(self):
         originals = dist.all_gather_single, dist.reduce_scatter_single
-
-        def all_gather_single(output, input, *args, **kwargs):
-            self.counts["all_gather"] += 1
-            self.bytes["all_gather"] += output.numel() * output.element_size()
-            return originals[0](output, input, *args, **kwargs)
-
-        def reduce_scatter_single(output, input, *args, **kwargs):
-            self.counts["reduce_scatter"] += 1
-            self.bytes["reduce_scatter"] += input.numel() * input.element_size()
-            return originals[1](output, input, *args, **kwargs)
-
-        dist.all_gather_single, dist.reduce_scatter_single = all_gather_single, reduce_scatter_single
+        dist.all_gather_single = self._counted("all_gather", originals[0])
+        dist.reduce_scatter_single = self._counted("reduce_scatter", originals[1])
         try:
             yield self
         finally:
@@ -212,25 +187,20 @@ class CommCounter:
 
 
 def sharded_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Bytes this rank holds for parameters and optimizer state (gradients, when present, match
-    parameters)."""
+    """Bytes this rank holds for parameters and optimizer state (gradients, if any, match parameters)."""
 
     def local_bytes(t: torch.Tensor) -> int:
         t = t.to_local() if hasattr(t, "to_local") else t
         return t.numel() * t.element_size()
 
-    params = sum(local_bytes(p) for p in model.parameters())
-    optim = sum(
-        local_bytes(v)
-        for state in optimizer.state.values()
-        for v in state.values()
-        if isinstance(v, torch.Tensor) and v.ndim > 0
-    )
-    return {"param_bytes": params, "optimizer_bytes": optim}
+    states = [v for state in optimizer.state.values() for v in state.values()]
+    return {
+        "param_bytes": sum(local_bytes(p) for p in model.parameters()),
+        "optimizer_bytes": sum(local_bytes(v) for v in states if isinstance(v, torch.Tensor) and v.ndim > 0),
+    }
 
 
 def final_record(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict:
-    """The `final` event's memory numbers, for every rank: sharded state bytes and the run's peak memory."""
     return {
         "event": "final",
         "state_bytes_per_rank": gather(sharded_state_bytes(model, optimizer)),
@@ -239,7 +209,6 @@ def final_record(model: torch.nn.Module, optimizer: torch.optim.Optimizer, devic
 
 
 def model_ready(model: torch.nn.Module, device: torch.device, fsdp: FsdpConfig, mesh, **details) -> dict:
-    """The `model_ready` event: parameters, where they live, the memory each rank holds after loading."""
     return {
         "event": "model_ready",
         "params": sum(p.numel() for p in model.parameters()),

@@ -20,7 +20,7 @@ hf_logging.disable_progress_bar()
 
 
 def load_model_config(cfg: ModelConfig, seq_len: int | None = None) -> PretrainedConfig:
-    """The model's config (model.config or model.name_or_path); warns if seq_len exceeds its positions."""
+    """model.config or model.name_or_path's config; warns if seq_len exceeds its positions."""
     hf_config = _read_model_config(cfg)
     # No KV cache in training or evaluation: it costs memory, and with one Transformers stops detecting
     # packed sequences from restarting position ids.
@@ -47,7 +47,7 @@ def _read_model_config(cfg: ModelConfig) -> PretrainedConfig:
                 f"model.config is not a valid {cfg.config.get('model_type', 'llama')} config: {e}"
             ) from None
     try:
-        hf_config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+        return AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
         where = (
             "a local directory"
@@ -58,14 +58,12 @@ def _read_model_config(cfg: ModelConfig) -> PretrainedConfig:
             f"model.name_or_path {cfg.name_or_path!r} could not be loaded ({str(e).splitlines()[0]}); "
             f"give {where} (offline? set HF_HUB_OFFLINE=1 and use a local copy)"
         ) from None
-    return hf_config
 
 
 def build_meta_model(
     hf_config: PretrainedConfig, cfg: ModelConfig, gradient_checkpointing: bool = False
 ) -> nn.Module:
-    """The model's structure only: no memory is allocated until after sharding. gradient_checkpointing is
-    the model's own (train.gradient_checkpointing); fsdp.activation_checkpointing is the FSDP way."""
+    """The model's structure only: nothing is allocated until after sharding."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             hf_config,
@@ -78,43 +76,29 @@ def build_meta_model(
     return model
 
 
-def _is_norm(module: nn.Module) -> bool:
-    return "norm" in type(module).__name__.lower()
-
-
 @torch.no_grad()
 def init_weights(model: nn.Module, seed: int, std: float) -> None:
-    """Initialise every (sharded) parameter from its own seeded generator.
-
-    HF's `_init_weights` on DTensors would draw the same numbers on every rank, so the result would
-    depend on the world size. Here each full parameter is drawn from a generator seeded by (seed,
-    parameter name), and each rank keeps its slice: 1, 2 or N ranks give the same model. Only one full
-    parameter exists at a time, never the full model.
-    """
+    """Each full parameter from a generator seeded by (seed, name), keeping this rank's slice: 1, 2 or N ranks
+    give the same model (HF's `_init_weights` on DTensors would draw the same numbers on every rank)."""
     for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
             # The checkpoint-format name, without AC/compile wrapper prefixes, so AC does not change the init.
-            name = (
-                f"{module_name}.{param_name}".lstrip(".")
-                .replace(_CHECKPOINT_PREFIX, "")
-                .replace("_orig_mod.", "")
-            )
+            name = f"{module_name}.{param_name}".lstrip(".").replace(_CHECKPOINT_PREFIX, "")
+            name = name.replace("_orig_mod.", "")
             local = param.to_local() if isinstance(param, DTensor) else param
             generator = torch.Generator(device=local.device).manual_seed(seed ^ zlib.crc32(name.encode()))
             full = torch.empty(param.shape, dtype=torch.float32, device=local.device)
             if param_name == "bias":
                 full.zero_()
-            elif _is_norm(module):
+            elif "norm" in type(module).__name__.lower():
                 full.fill_(1.0)
             else:
                 full.normal_(0.0, std, generator=generator)
-                padding_idx = getattr(module, "padding_idx", None)
-                if padding_idx is not None:
-                    full[padding_idx].zero_()
+                if getattr(module, "padding_idx", None) is not None:
+                    full[module.padding_idx].zero_()
             if isinstance(param, DTensor):
-                full = distribute_tensor(
-                    full, param.device_mesh, param.placements, src_data_rank=None
-                ).to_local()
+                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+                full = full.to_local()
             local.copy_(full)
 
 

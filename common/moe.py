@@ -1,10 +1,6 @@
-"""Mixture-of-experts: tensor and expert parallelism from Transformers' own plans, and router statistics.
-
-Transformers 5.24 ships, per model, a TP plan and an EP plan (experts `Shard(0)` over `ep`, tokens
-reaching them through an all-to-all). We apply exactly those, then FSDP with our own `fsdp` keys
-(common/wrap.py): `from_pretrained(distributed_config=...)` would also shard, but with its fixed plan,
-reading the full checkpoint on every rank and without our wrap/reshard/AC/offload choices.
-"""
+"""Mixture-of-experts: Transformers' own TP and EP plans, then FSDP with our `fsdp` keys (common/wrap.py),
+and router statistics. `from_pretrained(distributed_config=...)` would shard with its fixed plan, reading
+the full checkpoint on every rank and without our wrap/reshard/AC/offload choices."""
 
 from __future__ import annotations
 
@@ -22,19 +18,17 @@ from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 from common.config import ConfigError
 from common.mesh import MoeSizes
 
-DISPATCH = "ep_dispatch_experts"  # the EP plan's style for the modules that hold all experts of a layer
+DISPATCH = "ep_dispatch_experts"  # the EP plan's style for a layer's experts
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules the model's EP plan routes tokens to, one per MoE layer (e.g. layers.N.mlp.experts)."""
-    dispatched = {
-        name for name, style in (getattr(model, "ep_plan", None) or {}).items() if style == DISPATCH
-    }
+    """The modules the EP plan routes tokens to, one per MoE layer."""
+    plan = getattr(model, "ep_plan", None) or {}
+    dispatched = {name for name, style in plan.items() if style == DISPATCH}
     return [m for name, m in model.named_modules() if replace_layer_number_by_wildcard(name) in dispatched]
 
 
 def check_moe(model: nn.Module, name: str) -> tuple[int, Callable]:
-    """(number of experts, the model's load-balancing loss), or a one-line error for a dense model."""
     experts = expert_modules(model)
     module = importlib.import_module(type(model).__module__)
     aux_loss = getattr(module, "load_balancing_loss_func", None)
@@ -50,8 +44,7 @@ def check_moe(model: nn.Module, name: str) -> tuple[int, Callable]:
 def apply_tp_ep(
     model: nn.Module, sizes: MoeSizes, dense_mesh: DeviceMesh, expert_mesh: DeviceMesh
 ) -> list[nn.Module]:
-    """Tensor-parallel dense layers and expert-parallel experts, on `meta`; returns the modules FSDP must
-    shard over the expert mesh (none without EP: experts are then ordinary layer parameters)."""
+    """TP dense layers and EP experts, on `meta`; returns the modules FSDP shards over the expert mesh."""
     layout = DistributedConfig(
         dp_replicate_size=sizes.dp_replicate, fsdp_size=sizes.fsdp, tp_size=sizes.tp, ep_size=sizes.ep
     )
@@ -71,9 +64,8 @@ def apply_tp_ep(
 
 
 class RouterLogits:
-    """Collects every router's logits during a forward, through hooks on the router class the model declares
-    for its own `router_logits` output. (That output is keyed on class names, which FSDP wrapping changes,
-    so under SIZE_BASED_WRAP it silently comes back empty.)"""
+    """Every router's logits in a forward, hooked on the model's router class: the model's own
+    `router_logits` output is keyed on class names, which FSDP wrapping changes (SIZE_BASED_WRAP: empty)."""
 
     def __init__(self, model: nn.Module):
         spec = type(model.base_model)._can_record_outputs["router_logits"]
@@ -83,14 +75,14 @@ class RouterLogits:
                 module.register_forward_hook(lambda _, __, out: self.logits.append(out[spec.index]))
 
     def take(self) -> tuple[torch.Tensor, ...]:
-        """This forward's logits, one [tokens, experts] tensor per MoE layer. Call once after each forward;
-        activation checkpointing's recompute in backward appends again, which the next take() discards."""
+        """One [tokens, experts] tensor per MoE layer. Call after each forward: activation checkpointing's
+        recompute in backward appends again, which the next take() discards."""
         out, self.logits = tuple(self.logits), []
         return out
 
 
 def router_load(router_logits: tuple[torch.Tensor, ...], top_k: int, valid: torch.Tensor) -> torch.Tensor:
-    """[moe layers, experts]: how many real (non-padding) tokens each layer routed to each expert."""
+    """[moe layers, experts]: real tokens each layer routed to each expert."""
     counts = []
     for logits in router_logits:
         chosen = logits.detach()[valid.flatten()].topk(top_k, dim=-1).indices

@@ -48,22 +48,23 @@ CPU_SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
 @torch.no_grad()
-def head_loss(model, hidden: torch.Tensor, labels: torch.Tensor, chunk: int) -> tuple[float, int, int]:
-    """(sum of token losses, valid tokens, correct argmax) with lm_head run `chunk` tokens at a time."""
+def head_loss(model, hidden: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """[sum of token losses, valid tokens, correct argmax] (float64), with lm_head run `chunk` tokens at a
+    time. The sums stay on the device: no host sync per chunk."""
     head = model.get_output_embeddings()
     owner = head if isinstance(head, FSDPModule) else model  # a tied head lives in the root unit
     owner.unshard()  # one all-gather of the head's weight for all chunks
     hidden, labels = hidden.flatten(0, 1), labels.flatten()
-    loss_sum, valid, correct = 0.0, 0, 0
+    totals = torch.zeros(3, dtype=torch.float64, device=hidden.device)
     for start in range(0, hidden.shape[0], chunk):
         logits = F.linear(hidden[start : start + chunk], head.weight).float()
         target = labels[start : start + chunk]
         keep = target != -100
-        loss_sum += F.cross_entropy(logits, target, ignore_index=-100, reduction="sum").item()
-        valid += int(keep.sum())
-        correct += int(((logits.argmax(-1) == target) & keep).sum())
+        totals[0] += F.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
+        totals[1] += keep.sum()
+        totals[2] += ((logits.argmax(-1) == target) & keep).sum()
     owner.reshard()
-    return loss_sum, valid, correct
+    return totals
 
 
 def check_config(cfg: Config, world_size: int) -> str:
@@ -194,9 +195,7 @@ def main(argv: list[str] | None = None) -> None:
             position_ids = None if batch.position_ids is None else batch.position_ids[rows].to(d.device)
             input_ids, labels = batch.input_ids[rows].to(d.device), labels.to(d.device)
             labels = forward_shard(model, input_ids, labels, position_ids, attention, cp_mesh, positions)
-            totals += torch.tensor(
-                head_loss(model, hidden["last"], labels, e.loss_chunk_tokens), dtype=torch.float64
-            )
+            totals += head_loss(model, hidden["last"], labels, e.loss_chunk_tokens).cpu()
     dist.all_reduce(totals)  # over dp x cp: the cp shards partition each sequence, so no token counts twice
     layout = dict(sequences=num, seq_len=seq_len, cp_size=p.cp_size, dp_size=dp_size, attention=attention)
     peak = gather(peak_memory_bytes(d.device) / GIB)

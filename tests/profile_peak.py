@@ -1,0 +1,63 @@
+"""Test-only: a real run's training peak of live tensor bytes, measured by the torch profiler.
+
+The estimator (scripts/estimate_memory.py) is checked against this, so it must not share its method: here
+the profiler records every allocation and free of the whole process (profile_memory=True), and the peak is
+the highest running total between the script's reset_peak_memory() (after loading) and its final_record()
+(after the last step), the window the script calls training. CPU tensors only: no allocator cache, no RSS.
+Each rank writes {"peak_bytes": N} to $PEAK_OUT.rank<R>.json. Never imported by scripts/ or common/.
+
+    PEAK_OUT=runs/x/peak torchrun --nproc_per_node 2 tests/profile_peak.py scripts/pretrain_fsdp.py ...
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import runpy
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import metrics  # noqa: E402
+
+START, END = "peak_window_start", "peak_window_end"
+PROFILER = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+
+
+def window_peak(events) -> int:
+    """Highest running total of allocated bytes between the two markers (allocations before the window
+    count too: they are still alive in it)."""
+    start = min(e.start_ns() for e in events if e.name() == START)
+    end = max(e.start_ns() for e in events if e.name() == END)
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    totals = itertools.accumulate(nbytes for _, nbytes in memory)
+    return max(total for (time, _), total in zip(memory, totals) if start <= time <= end)
+
+
+def reset_peak_memory(device: torch.device, _original=metrics.reset_peak_memory) -> None:
+    with record_function(START):
+        _original(device)
+
+
+def final_record(*args, _original=metrics.final_record) -> dict:
+    """The script's own record; then the profiler stops and this rank's peak is written (the script may
+    leave through os._exit, so nothing waits for the end of the process)."""
+    record = _original(*args)
+    with record_function(END):
+        pass
+    PROFILER.stop()
+    peak = window_peak(list(PROFILER.profiler.kineto_results.events()))
+    with open(f"{os.environ['PEAK_OUT']}.rank{os.environ.get('RANK', '0')}.json", "w") as f:
+        json.dump({"peak_bytes": peak}, f)
+    return record
+
+
+if __name__ == "__main__":
+    metrics.reset_peak_memory, metrics.final_record = reset_peak_memory, final_record
+    script, sys.argv = sys.argv[1], sys.argv[1:]
+    PROFILER.start()
+    runpy.run_path(script, run_name="__main__")

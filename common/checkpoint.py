@@ -39,7 +39,23 @@ def _steps(root: str) -> list[int]:
 
 
 def find_resume_checkpoint(run_dir: str, resume: str) -> str | None:
-    """`auto`: this run's newest complete checkpoint, if any; `none`: None; else the given path."""
+    """`auto`: this run's newest complete checkpoint, if any; `none`: None; else the given path. Rank 0
+    decides and every rank takes its choice: ranks listing the directory themselves could disagree (a
+    network filesystem's stale view on one node) and load different steps."""
+    choice: list = [None, None]  # the path, or the error that stops every rank
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            choice[0] = _resume_checkpoint(run_dir, resume)
+        except ConfigError as error:
+            choice[1] = str(error)
+    if dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    if choice[1]:
+        raise ConfigError(choice[1])
+    return choice[0]
+
+
+def _resume_checkpoint(run_dir: str, resume: str) -> str | None:
     if resume == "none":
         return None
     if resume != "auto":
@@ -54,13 +70,22 @@ def find_resume_checkpoint(run_dir: str, resume: str) -> str | None:
     return os.path.join(root, f"step-{complete[-1]}") if complete else None
 
 
-def _training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list]:
+def _rng_key(saved: dict | None = None) -> str:
+    """This rank's RNG entry. DCP keeps one copy of a plain tensor that every rank saves under one key
+    (measured: rank 1 restored rank 0's state), so each rank saves its own. Resumed on more ranks, a rank
+    the checkpoint has no entry for takes rank 0's."""
+    own = f"rank{dist.get_rank() if dist.is_initialized() else 0}"
+    return own if saved is None or f"rng.{own}.cpu" in saved else "rank0"
+
+
+def _training_state(model: nn.Module, optimizer: torch.optim.Optimizer, rng_key: str) -> tuple[dict, list]:
     """Tensors only: DCP unpickles any non-tensor value on load. param_groups come from the config."""
     optim = get_optimizer_state_dict(model, optimizer)  # allocates the state of a fresh optimizer
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
-    return {"model": get_model_state_dict(model), "optim": optim["state"], "rng": rng}, optim["param_groups"]
+    state = {"model": get_model_state_dict(model), "optim": optim["state"], "rng": {rng_key: rng}}
+    return state, optim["param_groups"]
 
 
 def save_checkpoint(
@@ -81,7 +106,7 @@ def save_checkpoint(
             if name.endswith(".tmp") and STEP_DIR.match(name.removesuffix(".tmp")):
                 shutil.rmtree(os.path.join(root, name))
     dist.barrier()
-    state, _ = _training_state(model, optimizer)
+    state, _ = _training_state(model, optimizer, _rng_key())
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, thread_count=WRITER_THREADS))
     inject_fault(step, run_dir, during_save=True)
     dist.barrier()  # every rank's shard is on disk before the checkpoint gets its final name
@@ -126,13 +151,15 @@ def _check_shapes(path: str, model: nn.Module) -> None:
 def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> dict:
     """Restore model, optimizer, scheduler and RNG in place (DCP reshards); returns train_state."""
     _check_shapes(path, model)
-    state, param_groups = _training_state(model, optimizer)
+    rng_key = _rng_key(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    state, param_groups = _training_state(model, optimizer, rng_key)
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, {"state": state["optim"], "param_groups": param_groups})
-    torch.set_rng_state(state["rng"]["cpu"])
-    if "cuda" in state["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["rng"]["cuda"])
+    rng = state["rng"][rng_key]
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
     return restore_train_state(path, optimizer, scheduler)
 
 

@@ -17,9 +17,11 @@ import torch.distributed as dist
 from common.config import ConfigError, DataConfig
 from common.embedded import (
     EMBEDDED_CORPUS,
+    builds_caches,
     embedded_documents,
     embedded_tokenizer_dir,
     ensure_embedded_tokenizer,
+    temporary_name,
 )
 
 PAD = -1  # padding inside the cached array; it becomes pad_token_id in inputs and -100 in labels
@@ -114,8 +116,8 @@ def _tokenize(cfg: DataConfig, files: list[str] | None) -> np.ndarray:
 
 
 def prepare_local_data(cfg: DataConfig, is_main: bool, build=None, tag: str = "") -> str:
-    """Rank 0 builds (or finds) the cached token array; returns its path. build(): the array (default:
-    pretraining's packed documents); tag tells its cache apart."""
+    """Each node's first rank builds (or finds) the cached token array; returns its path. build(): the
+    array (default: pretraining's packed documents); tag tells its cache apart."""
     files = None if cfg.dataset == "embedded" else local_files(cfg.dataset)
     if build is None and cfg.dataset != "embedded" and files is None:
         raise ConfigError(
@@ -124,20 +126,21 @@ def prepare_local_data(cfg: DataConfig, is_main: bool, build=None, tag: str = ""
     key = _cache_key(cfg, (file_fingerprint(files) if files else "") + tag)
     tokens_path = os.path.join(os.path.expanduser(cfg.cache_dir), f"tokens-{key}.npy")
     error = None
-    if is_main and not os.path.exists(tokens_path):
+    if builds_caches(is_main) and not os.path.exists(tokens_path):
         try:
             rows = build() if build else _tokenize(cfg, files)
             os.makedirs(os.path.dirname(tokens_path), exist_ok=True)
-            tmp = f"{tokens_path}.tmp{os.getpid()}.npy"
+            tmp = f"{temporary_name(tokens_path)}.npy"
             np.save(tmp, rows)
             os.replace(tmp, tokens_path)
         except ConfigError as e:
             error = str(e)
     if dist.is_initialized():
-        # Rank 0 shares its verdict, so a bad dataset stops every rank instead of leaving them at a barrier.
-        verdict = [error]
-        dist.broadcast_object_list(verdict, src=0)
-        error = verdict[0]
+        # Every builder's verdict reaches every rank: a bad dataset stops them all instead of leaving them
+        # at a barrier, and no rank reads before its node's builder has written.
+        verdicts = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, error)
+        error = next((verdict for verdict in verdicts if verdict), None)
     if error:
         raise ConfigError(error)
     return tokens_path

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import socket
 import sys
 import sysconfig
 
@@ -60,12 +61,24 @@ def embedded_tokenizer_dir(cfg: DataConfig) -> str:
     return os.path.join(os.path.expanduser(cfg.cache_dir), name)
 
 
+def builds_caches(is_main: bool) -> bool:
+    """Whether this rank builds what data.cache_dir holds: the first rank of every node. The default cache
+    lives in each node's own home (~/.cache), which other nodes may not see; on a shared filesystem the
+    nodes build the same bytes and the atomic rename keeps one."""
+    return is_main or (dist.is_initialized() and os.environ.get("LOCAL_RANK", "0") == "0")
+
+
+def temporary_name(path: str) -> str:
+    """A name no other process writes, also across nodes that share a filesystem."""
+    return f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"
+
+
 def ensure_embedded_tokenizer(cfg: DataConfig, is_main: bool) -> None:
-    """Rank 0 trains it once per cache; the others wait."""
+    """Each node's first rank trains it once per cache; the others wait."""
     tok_dir = embedded_tokenizer_dir(cfg)
-    if cfg.tokenizer is None and is_main and not os.path.exists(tok_dir):
+    if cfg.tokenizer is None and builds_caches(is_main) and not os.path.exists(tok_dir):
         os.makedirs(os.path.dirname(tok_dir), exist_ok=True)
-        tmp = f"{tok_dir}.tmp{os.getpid()}"
+        tmp = temporary_name(tok_dir)
         train_embedded_tokenizer(embedded_documents(cfg.embedded_max_bytes), cfg.embedded_vocab_size, tmp)
         try:
             os.replace(tmp, tok_dir)

@@ -187,3 +187,99 @@ def test_checkpoints_hold_tensors_only_so_loading_never_unpickles(straight):
     kinds = {type(m).__name__ for m in metadata.state_dict_metadata.values()}
     assert kinds == {"TensorStorageMetadata"}, kinds
     assert any(k.startswith("optim.") for k in metadata.state_dict_metadata)
+
+
+# Rank 1 lists an empty directory, as a node with a stale view of a network filesystem would.
+RESUME_CHOICE = f"""
+import os, sys
+sys.path.insert(0, {REPO!r})
+import torch.distributed as dist
+from common.checkpoint import find_resume_checkpoint
+dist.init_process_group("gloo")
+run_dir = sys.argv[1] if dist.get_rank() == 0 else sys.argv[2]
+print(f"rank {{dist.get_rank()}} resumes from {{find_resume_checkpoint(run_dir, 'auto')}}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_rank_0_chooses_the_resume_checkpoint_for_every_rank(tmp_path):
+    seen, empty = tmp_path / "seen", tmp_path / "empty"
+    (seen / "checkpoints" / "step-4").mkdir(parents=True)
+    (seen / "checkpoints" / "step-4" / "train_state.json").write_text("{}")
+    script = tmp_path / "resume_choice.py"
+    script.write_text(RESUME_CHOICE)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    proc = subprocess.run(
+        [*cmd, str(seen), str(empty)], env=env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    chosen = os.path.join(seen, "checkpoints", "step-4")
+    assert sorted(proc.stdout.split("\n")[:-1]) == [f"rank {r} resumes from {chosen}" for r in (0, 1)]
+
+
+def test_two_nodes_with_their_own_home_share_only_the_checkpoint_dir(tmp_path):
+    """Two torchrun agents (--nnodes 2) whose HOME differ: each node builds the tokenizer and token cache
+    under its own ~/.cache (data.cache_dir's default), and the run trains, checkpoints and resumes."""
+    shared = tmp_path / "shared_run"
+    port = free_port()
+
+    def launch(steps: int) -> None:
+        nodes = []
+        for node in (0, 1):
+            home = tmp_path / f"home{node}"
+            home.mkdir(exist_ok=True)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1"]
+            cmd += [f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}"]
+            cmd += [os.path.join(REPO, "scripts", "pretrain_fsdp.py"), "--config", TINY]
+            cmd += [f"checkpoint.dir={shared}", f"train.steps={steps}", "checkpoint.interval=2"]
+            out = open(tmp_path / f"node{node}.log", "w")
+            nodes.append(subprocess.Popen(cmd, cwd=REPO, env=env(HOME=str(home)), stdout=out, stderr=out))
+        codes = [node.wait(timeout=300) for node in nodes]
+        assert codes == [0, 0], [(tmp_path / f"node{n}.log").read_text()[-3000:] for n in (0, 1)]
+
+    launch(steps=4)
+    for node in (0, 1):  # each node's own cache, built by its first rank
+        cache = tmp_path / f"home{node}" / ".cache" / "fsdp2-recipes"
+        assert any(name.startswith("tokenizer-") for name in os.listdir(cache))
+        assert any(name.startswith("tokens-") for name in os.listdir(cache))
+    launch(steps=6)
+    records = read_metrics(shared)
+    resumed = [r for r in records if r.get("event") == "model_ready"][-1]
+    assert resumed["start_step"] == 4
+    assert [r["step"] for r in steps(records)][-2:] == [5, 6]
+
+
+# Each rank seeds its own RNG, checkpoints, draws, scrambles, resumes and draws again.
+PER_RANK_RNG = f"""
+import sys
+sys.path.insert(0, {REPO!r})
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from transformers import LlamaConfig, LlamaForCausalLM
+from common.checkpoint import load_checkpoint, save_checkpoint
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1)
+model = fully_shard(LlamaForCausalLM(config))
+optimizer = torch.optim.AdamW(model.parameters())
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+torch.manual_seed(100 + rank)
+path = save_checkpoint(sys.argv[1], 1, model, optimizer, {{"scheduler": scheduler.state_dict()}}, 1)
+expected = torch.rand(4)
+torch.manual_seed(12345)
+load_checkpoint(path, model, optimizer, scheduler)
+print(f"rank {{rank}} restored its own RNG: {{torch.equal(torch.rand(4), expected)}}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_every_rank_gets_its_own_rng_state_back(tmp_path):
+    script = tmp_path / "per_rank_rng.py"
+    script.write_text(PER_RANK_RNG)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    proc = subprocess.run(
+        [*cmd, str(tmp_path / "run")], env=env(), capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(proc.stdout.split("\n")[:-1]) == [f"rank {r} restored its own RNG: True" for r in (0, 1)]

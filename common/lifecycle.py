@@ -15,9 +15,10 @@ import torch.distributed as dist
 
 from common.checkpoint import save_checkpoint
 from common.config import Config, ConfigError
-from common.faults import inject_fault
+from common.faults import arm_gradient_fault, inject_fault
 from common.mesh import gather
 from common.metrics import GIB, CommCounter, MetricsLogger, StepTimer, peak_memory_bytes
+from common.optim import NonFiniteGradients
 
 
 class PreemptionWatch:
@@ -32,13 +33,17 @@ class PreemptionWatch:
     def _on_signal(self, signum, frame) -> None:
         self.signalled = True
 
-    def requested(self) -> bool:
-        local = self.signalled or bool(self.file and os.path.exists(self.file))
-        if not dist.is_initialized():  # one PyTorch/XLA host: nobody to agree with
-            return local
-        flag = torch.tensor(float(local), device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def requested_here(self) -> bool:
+        return self.signalled or bool(self.file and os.path.exists(self.file))
+
+
+def on_any_rank(flags: list[bool], device: torch.device) -> list[bool]:
+    """Whether any rank raised each flag, in one all-reduce: every rank then takes the same decision."""
+    if not dist.is_initialized():  # one PyTorch/XLA host: nobody to agree with
+        return flags
+    raised = torch.tensor([float(flag) for flag in flags], device=device)
+    dist.all_reduce(raised, op=dist.ReduceOp.MAX)
+    return [bool(value) for value in raised.tolist()]
 
 
 def check_shared_storage(run_dir: str) -> None:
@@ -85,25 +90,37 @@ class Bookkeeping:
         self.preemption = PreemptionWatch(self.device)
         self.comm = CommCounter()
         self.stopped = False
+        self.step = self.start_step + 1  # the step being trained
         self._counting = contextlib.ExitStack()
 
     def __enter__(self) -> Bookkeeping:
         if self.cfg.metrics.comm_stats:
             self._counting.enter_context(self.comm.patch())
+        arm_gradient_fault(self.step, self.cfg.checkpoint.dir, self.model)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, traceback) -> None:
         self._counting.close()
+        if isinstance(exc, NonFiniteGradients):
+            raise SystemExit(
+                f"gradient norm is {exc.norm} at step {self.step}; stopping before the optimizer step, "
+                f"without saving: the last checkpoint is intact (try a lower train.lr)"
+            ) from None
 
     def after_step(self, step: int, stats: dict, tokens: int) -> bool:
         """`stats`: the step's loss and other numbers to log. True: stop here (the checkpoint is written)."""
         t, run_dir = self.cfg.train, self.cfg.checkpoint.dir
         if inject_fault(step, run_dir):
             stats["loss"] = math.nan
-        if not math.isfinite(stats["loss"]):
-            # Every rank sees the same all-reduced loss, so all stop here, before writing a checkpoint.
+        # One verdict for all ranks: a loss poisoned on one rank alone (a fault, a bad device) must stop
+        # the others too, not leave them waiting in the next collective until the timeout.
+        bad_loss, preempted = on_any_rank(
+            [not math.isfinite(stats["loss"]), self.preemption.requested_here()], self.device
+        )
+        if bad_loss:
+            loss = stats["loss"] if not math.isfinite(stats["loss"]) else "not finite on another rank"
             raise SystemExit(
-                f"loss is {stats['loss']} at step {step}; stopping without saving, the last checkpoint is "
+                f"loss is {loss} at step {step}; stopping without saving, the last checkpoint is "
                 f"intact (try a lower train.lr or train.max_grad_norm)"
             )
         self.timer.add(tokens)
@@ -113,12 +130,13 @@ class Bookkeeping:
             if self.cfg.metrics.comm_stats:
                 record.update(self.comm.reset())
             self.logger.log(record)
-        preempted = self.preemption.requested()
         stopping = preempted or bool(t.stop_after and step - self.start_step >= t.stop_after)
         interval = self.cfg.checkpoint.interval
         if (interval and step % interval == 0) or step == t.steps or stopping:
             self.logger.log({"event": "checkpoint", "step": step, "path": self._save(step, stats)})
         self.stopped = stopping and step < t.steps
+        self.step = step + 1
+        arm_gradient_fault(self.step, run_dir, self.model)
         if self.stopped:
             reason = "preempted" if preempted else "train.stop_after"
             self.logger.log({"event": "stopped", "step": step, "reason": reason})

@@ -42,6 +42,14 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device) -
     )
 
 
+class NonFiniteGradients(Exception):
+    """The gradient norm is NaN or inf: the optimizer step must not run (AdamW would spread it)."""
+
+    def __init__(self, norm: float):
+        super().__init__(norm)
+        self.norm = norm
+
+
 @torch.no_grad()
 def clip_grad_norm_(parameters, max_norm: float) -> float:
     """Clip to a global L2 norm; returns the norm before clipping. torch's clip_grad_norm_ needs every
@@ -58,6 +66,8 @@ def clip_grad_norm_(parameters, max_norm: float) -> float:
         )
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
     total = float(torch.stack(squares).sum().sqrt()) if squares else 0.0
+    if not math.isfinite(total):  # every rank has the same all-reduced norm, so every rank stops here
+        raise NonFiniteGradients(total)
     if max_norm > 0 and total > max_norm:
         for g in grads:
             g.mul_(max_norm / (total + 1e-6))

@@ -50,7 +50,7 @@ from common.data import build_batches
 from common.lifecycle import Bookkeeping
 from common.metrics import MetricsLogger, StepTimer, flops_per_token
 from common.model import build_meta_model, init_buffers, init_weights, load_model_config
-from common.optim import build_optimizer, lr_multiplier
+from common.optim import NonFiniteGradients, build_optimizer, lr_multiplier
 from common.wrap import plan_units, resolve_layer_classes
 
 try:
@@ -256,6 +256,8 @@ def train_step(model, optimizer, micro_batches, mesh, compute_dtype, max_grad_no
         loss_sum += loss.detach()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.get_total_norm(grads)
+    if not torch.isfinite(grad_norm).item():  # a host read per step: AdamW must never see such a gradient
+        raise NonFiniteGradients(grad_norm.item())
     if max_grad_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_grad_norm, grad_norm)
     optimizer.step()

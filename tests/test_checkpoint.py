@@ -1,5 +1,6 @@
 """Resume checkpoints: exact resume, resume on another world size, restarts, crash safety, no hangs."""
 
+import math
 import os
 import subprocess
 import sys
@@ -126,6 +127,41 @@ def test_nan_loss_stops_with_a_message_and_keeps_good_checkpoints(tmp_path):
     assert "loss is nan at step 15; stopping without saving" in proc.stderr
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-10", "step-5"]
     assert not (tmp_path / "export").exists()
+
+
+def test_a_non_finite_loss_on_one_rank_stops_every_rank(tmp_path):
+    """Rank 1 alone sees a NaN loss: both ranks stop at that step with the same line, neither waits in the
+    next collective for the timeout (which would end rank 0 with a timeout error instead)."""
+    proc = run(
+        "pretrain_fsdp.py",
+        ["--config", TINY, f"checkpoint.dir={tmp_path}", *CKPT, "parallelism.timeout_minutes=0.5"],
+        nproc=2,
+        check=False,
+        extra_env={"FSDP2_RECIPES_FAULT": "nan@15:1"},
+    )
+    assert proc.returncode != 0
+    assert proc.stderr.count("at step 15; stopping without saving") == 2, proc.stderr[-3000:]
+    assert "loss is not finite on another rank at step 15" in proc.stderr
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-10", "step-5"]
+
+
+@pytest.mark.parametrize("fault", ["grad@15", "grad@15:1"])
+def test_non_finite_gradients_stop_every_rank_before_the_optimizer_step(tmp_path, fault):
+    """The loss stays finite and the gradients are NaN (on every rank, or on rank 1 alone): each rank stops
+    at that step, before AdamW spreads the NaN, and the last checkpoint is the good one."""
+    proc = run(
+        "pretrain_fsdp.py",
+        ["--config", TINY, f"checkpoint.dir={tmp_path}", *CKPT, "parallelism.timeout_minutes=0.5"],
+        nproc=2,
+        check=False,
+        extra_env={"FSDP2_RECIPES_FAULT": fault},
+    )
+    assert proc.returncode != 0
+    stop = "gradient norm is nan at step 15; stopping before the optimizer step"
+    assert proc.stderr.count(stop) == 2, proc.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-10", "step-5"]
+    logged = steps(read_metrics(tmp_path))
+    assert logged[-1]["step"] == 14 and all(math.isfinite(r["loss"]) for r in logged)
 
 
 def test_a_hung_rank_ends_the_job_within_the_collective_timeout(tmp_path):

@@ -52,16 +52,13 @@ def run(
     elif nproc == 0:
         cmd = [sys.executable, path, *args]
     else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            path,
-            *args,
-        ]
+        cmd = [*torchrun(nproc), path, *args]
     return run_command(cmd, timeout, check, extra_env)
+
+
+def torchrun(nproc: int) -> list[str]:
+    """The launcher prefix for `nproc` processes on this host."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
 
 
 def run_command(

@@ -11,7 +11,20 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from common.checkpoint import find_resume_checkpoint
-from launch import REPO, TINY, env, event, free_port, losses, pretrain, read_metrics, run, steps
+from launch import (
+    REPO,
+    TINY,
+    env,
+    event,
+    free_port,
+    losses,
+    pretrain,
+    read_metrics,
+    run,
+    run_command,
+    steps,
+    torchrun,
+)
 
 STEPS = 20
 CKPT = [f"train.steps={STEPS}", "checkpoint.interval=5"]
@@ -244,11 +257,7 @@ def test_rank_0_chooses_the_resume_checkpoint_for_every_rank(tmp_path):
     (seen / "checkpoints" / "step-4" / "train_state.json").write_text("{}")
     script = tmp_path / "resume_choice.py"
     script.write_text(RESUME_CHOICE)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    proc = subprocess.run(
-        [*cmd, str(seen), str(empty)], env=env(), capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_command([*torchrun(2), str(script), str(seen), str(empty)], timeout=120)
     chosen = os.path.join(seen, "checkpoints", "step-4")
     assert sorted(proc.stdout.split("\n")[:-1]) == [f"rank {r} resumes from {chosen}" for r in (0, 1)]
 
@@ -313,9 +322,5 @@ dist.destroy_process_group()
 def test_every_rank_gets_its_own_rng_state_back(tmp_path):
     script = tmp_path / "per_rank_rng.py"
     script.write_text(PER_RANK_RNG)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    proc = subprocess.run(
-        [*cmd, str(tmp_path / "run")], env=env(), capture_output=True, text=True, timeout=180
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_command([*torchrun(2), str(script), str(tmp_path / "run")], timeout=180)
     assert sorted(proc.stdout.split("\n")[:-1]) == [f"rank {r} restored its own RNG: True" for r in (0, 1)]

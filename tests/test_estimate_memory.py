@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from launch import REPO, event, read_metrics, run, run_command
+from launch import REPO, event, read_metrics, run, run_command, torchrun
 
 DEBUG = os.path.join(REPO, "configs", "debug_llama.json")
 # Wider layers than debug_llama's, so what a change moves (whole layers' parameters, activations) stands far
@@ -44,11 +44,10 @@ def estimate(config: str, world: int, *overrides: str, device: str = "cpu") -> d
 def real_run(tmp_path, name: str, world: int, *overrides: str, config: str = DEBUG) -> tuple[int, list[dict]]:
     """(the highest rank's training peak in bytes, state_bytes_per_rank) of a real run."""
     run_dir = tmp_path / name
-    shim = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
     run(
         "pretrain_fsdp.py",
         ["--config", config, f"checkpoint.dir={run_dir}", *REAL_RUN, *overrides],
-        launcher=[*shim, os.path.join(REPO, "tests", "profile_peak.py")],
+        launcher=[*torchrun(world), os.path.join(REPO, "tests", "profile_peak.py")],
         extra_env={"PEAK_OUT": str(tmp_path / f"{name}.peak")},
     )
     peaks = [json.load(open(f))["peak_bytes"] for f in glob.glob(str(tmp_path / f"{name}.peak.rank*.json"))]

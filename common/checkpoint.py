@@ -1,32 +1,40 @@
-"""Weights in and out: resume checkpoints, HF loading, the final export. Everything is written to
-`<name>.tmp` and renamed once complete, so a crash never leaves a half-written one under a final name."""
+"""Resume checkpoints (DCP): save, choose, load. Each is written to `step-N.tmp` and renamed once
+complete, so a crash never leaves a half-written one under a final name."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
 import shutil
+import threading
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 
-from common.config import Config, ConfigError, resolve_mixed_precision
+from common.config import ConfigError
 from common.faults import inject_fault
-from common.model import init_weights
+from common.weights import publish, save_config
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TRAIN_STATE = "train_state.json"
 WRITER_THREADS = 4
+
+
+class CheckpointNotWritten(Exception):
+    """A checkpoint write failed on some rank (a full disk, say); raised on every rank, the partial
+    directory removed. The scripts stop with its message as one line."""
 
 
 def checkpoints_dir(run_dir: str) -> str:
@@ -64,10 +72,36 @@ def _resume_checkpoint(run_dir: str, resume: str) -> str | None:
                 f"checkpoint.resume {resume!r} is not a complete checkpoint directory "
                 f"(no {TRAIN_STATE}); use auto, none, or a checkpoints/step-N path"
             )
+        _start_branch(run_dir, resume)
         return resume
     root = checkpoints_dir(run_dir)
     complete = [s for s in _steps(root) if os.path.exists(os.path.join(root, f"step-{s}", TRAIN_STATE))]
     return os.path.join(root, f"step-{complete[-1]}") if complete else None
+
+
+def _start_branch(run_dir: str, resume: str) -> None:
+    """Resuming from an older step of this run starts a new branch. Its newer checkpoints move aside to
+    checkpoints/abandoned-after-step-N[.K]: kept, but invisible to keep_latest (which would prune the new
+    branch's checkpoints as the older ones) and to resume=auto (which would pick the abandoned branch)."""
+    root = checkpoints_dir(run_dir)
+    match = STEP_DIR.match(os.path.basename(os.path.normpath(resume)))
+    parent = os.path.dirname(os.path.normpath(resume))
+    if not match or not os.path.isdir(root) or not os.path.samefile(parent, root):
+        return  # another run's checkpoint
+    newer = [f"step-{s}" for s in _steps(root) if s > int(match[1])]
+    if not newer:
+        return
+    aside = base = os.path.join(root, f"abandoned-after-step-{match[1]}")
+    branches = 1
+    while os.path.exists(aside):  # the same step resumed again, after more training
+        branches += 1
+        aside = f"{base}.{branches}"
+    os.makedirs(aside)
+    for name in newer:
+        os.replace(os.path.join(root, name), os.path.join(aside, name))
+    print(
+        f"checkpoint: resuming from step-{match[1]} starts a new branch; moved {', '.join(newer)} to {aside}"
+    )
 
 
 def _rng_key(saved: dict | None = None) -> str:
@@ -107,19 +141,70 @@ def save_checkpoint(
                 shutil.rmtree(os.path.join(root, name))
     dist.barrier()
     state, _ = _training_state(model, optimizer, _rng_key())
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, thread_count=WRITER_THREADS))
-    inject_fault(step, run_dir, during_save=True)
-    dist.barrier()  # every rank's shard is on disk before the checkpoint gets its final name
-    if dist.get_rank() == 0:
-        publish_checkpoint(tmp, final, train_state, model.config, tokenizer, keep_latest)
-    dist.barrier()
+    with _writer_thread_errors() as errors:
+        try:
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, thread_count=WRITER_THREADS))
+        except CheckpointException as failed:  # raised on every rank when any rank's own write failed
+            errors.append(failed)
+    if not errors:
+        inject_fault(step, run_dir, during_save=True)
+    error = _first_on_any_rank(_os_error(errors))  # and every rank's shard is on disk
+    if error is None and dist.get_rank() == 0:
+        try:
+            publish_checkpoint(tmp, final, train_state, model.config, tokenizer, keep_latest)
+        except OSError as failed:
+            error = failed
+    error = _first_on_any_rank(error)
+    if error is not None:
+        raise CheckpointNotWritten(_not_written(root, tmp, step, error)) from None
     return final
 
 
-def _save_config(out_dir: str, model_config, tokenizer) -> None:
-    model_config.save_pretrained(out_dir)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
+@contextlib.contextmanager
+def _writer_thread_errors():
+    """DCP's extra writer threads hand an exception only to threading.excepthook, which prints it, and the
+    save then completes without their files. Collect those exceptions instead."""
+    errors, previous = [], threading.excepthook
+    threading.excepthook = lambda hook: errors.append(hook.exc_value)
+    try:
+        yield errors
+    finally:
+        threading.excepthook = previous
+
+
+def _os_error(errors: list[Exception]) -> Exception | None:
+    """The first OSError behind `errors` (DCP's own failure holds every rank's), else the first error."""
+    for failed in errors:
+        for value in getattr(failed, "failures", {failed: failed}).values():
+            error = value[0] if isinstance(value, tuple) else value
+            while error is not None and not isinstance(error, OSError):
+                error = error.__cause__ or error.__context__
+            if error is not None:
+                return error
+    return errors[0] if errors else None
+
+
+def _first_on_any_rank(error: Exception | None) -> Exception | None:
+    """One verdict for all ranks: a write can fail on one rank alone."""
+    errors = [None] * dist.get_world_size()
+    portable = error if error is None or isinstance(error, OSError) else RuntimeError(str(error))
+    dist.all_gather_object(errors, portable)  # DCP's own exception holds tracebacks, which do not pickle
+    return next((e for e in errors if e is not None), None)
+
+
+def _not_written(root: str, tmp: str, step: int, error: Exception) -> str:
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    why = f"the disk is full ({error.strerror})" if full else str(error)
+    intact = [s for s in _steps(root) if s < step]
+    previous = f"step-{intact[-1]} is intact" if intact else "there is no earlier checkpoint"
+    fix = "Free space" if full else "Fix that"
+    return (
+        f"checkpoint step-{step} could not be written: {why}, under {root}; removed the partial "
+        f"{os.path.basename(tmp)}, and {previous}. {fix} and rerun the same command to resume"
+    )
 
 
 def publish_checkpoint(
@@ -128,7 +213,7 @@ def publish_checkpoint(
     """Complete `step-N.tmp` (with config and tokenizer, for eval_cp.py), rename it, drop old ones."""
     with open(os.path.join(tmp, TRAIN_STATE), "w") as f:
         json.dump(train_state, f)
-    _save_config(tmp, model_config, tokenizer)
+    save_config(tmp, model_config, tokenizer)
     publish(tmp, final)
     root = os.path.dirname(final)
     for old in _steps(root)[:-keep_latest]:
@@ -170,106 +255,3 @@ def restore_train_state(path: str, optimizer: torch.optim.Optimizer, scheduler) 
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr  # load_state_dict restores the schedule, not the lr already applied to the optimizer
     return train_state
-
-
-def load_hf_weights(
-    model: nn.Module, path: str, broadcast_from_rank0: bool, trust_remote_code: bool = False
-) -> None:
-    """Fill a sharded model from an HF checkpoint; with broadcast_from_rank0 only rank 0 reads the files."""
-    full = {}
-    if dist.get_rank() == 0 or not broadcast_from_rank0:
-        # from_pretrained applies the model's own key renames and weight conversions.
-        from transformers import AutoModelForCausalLM
-
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, trust_remote_code=trust_remote_code
-        )
-        full = hf_model.state_dict()
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0)
-    set_model_state_dict(model, full, options=options)
-
-
-def load_or_init_weights(model: nn.Module, cfg: Config, init_std: float) -> None:
-    """A new run's weights: a SHARDED export, an HF checkpoint, or a world-size-independent init."""
-    source = cfg.model.name_or_path
-    if source and is_sharded_export(source):
-        load_sharded_export(model, source)
-    elif source:
-        load_hf_weights(model, source, cfg.fsdp.cpu_ram_efficient_loading, cfg.model.trust_remote_code)
-    else:
-        init_weights(model, cfg.train.seed, init_std)
-
-
-def export_final(model: nn.Module, cfg: Config, tokenizer, device_type: str) -> str:
-    """`<checkpoint.dir>/export`, per fsdp.state_dict_type; returns the path."""
-    export_dir = os.path.join(cfg.checkpoint.dir, "export")
-    prepare_for_generation(model, tokenizer, from_scratch=not cfg.model.name_or_path)
-    if cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
-        dtype = getattr(torch, resolve_mixed_precision(cfg.fsdp, device_type)["param_dtype"])
-        export_full(model, export_dir, tokenizer, dtype)
-    else:
-        export_sharded(model, export_dir, tokenizer)
-    return export_dir
-
-
-def prepare_for_generation(model: nn.Module, tokenizer, from_scratch: bool) -> None:
-    """The KV cache back on; a model from model.config takes the tokenizer's special ids (not Llama's)."""
-    model.config.use_cache = model.generation_config.use_cache = True
-    if not from_scratch or tokenizer is None:
-        return
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        setattr(model.config, name, getattr(tokenizer, name))
-        setattr(model.generation_config, name, getattr(tokenizer, name))
-
-
-def publish(tmp: str, final: str) -> None:
-    old = f"{final}.old"
-    if os.path.exists(final):
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def export_full(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype) -> None:
-    # Gathered to rank 0 on CPU one tensor at a time, so no GPU ever holds the whole model.
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
-        tmp = f"{out_dir}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        write_hf_directory(model, tmp, {k: v.to(dtype) for k, v in state.items()}, tokenizer, dtype)
-        publish(tmp, out_dir)
-    dist.barrier()
-
-
-def write_hf_directory(model: nn.Module, out_dir: str, state: dict, tokenizer, dtype: torch.dtype) -> None:
-    model.save_pretrained(out_dir, state_dict=state)
-    # save_pretrained records the dtype of the model's own (fp32 master) parameters, not of `state`.
-    model.config.dtype = dtype
-    _save_config(out_dir, model.config, tokenizer)
-    # safetensors arrive 0600, the rest 0644: give all the mode a plain open() would.
-    umask = os.umask(0)
-    os.umask(umask)
-    for name in os.listdir(out_dir):
-        os.chmod(os.path.join(out_dir, name), 0o666 & ~umask)
-
-
-def export_sharded(model: nn.Module, out_dir: str, tokenizer) -> None:
-    tmp = f"{out_dir}.tmp"
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
-    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=tmp)
-    if dist.get_rank() == 0:
-        _save_config(tmp, model.config, tokenizer)
-        publish(tmp, out_dir)
-    dist.barrier()
-
-
-def is_sharded_export(path: str) -> bool:
-    return os.path.exists(os.path.join(path, ".metadata"))
-
-
-def load_sharded_export(model: nn.Module, path: str) -> None:
-    state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])

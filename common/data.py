@@ -209,7 +209,7 @@ class LocalBatches:
     def state_dict(self) -> dict:
         return {}  # the position is the global sample count, which the training loop saves
 
-    def load_state_dict(self, states: list[dict], rank: int) -> None:
+    def load_state_dict(self, states: list[dict]) -> None:
         pass
 
     def fixed_batch(self, size: int) -> Batch:
@@ -244,7 +244,7 @@ class StreamingBatches:
         self.stream = iter(self.dataset)
         self.tokenizer, self.cfg = tokenizer, cfg
         self.accum = global_batch // (micro_batch * dp_size)
-        self.micro_batch, self.dp_size = micro_batch, dp_size
+        self.micro_batch, self.dp_rank, self.dp_size = micro_batch, dp_rank, dp_size
         self.document_eos = tokenizer.eos_token_id if cfg.document_mask else None
         self.buffer: list[int] = []
         self.consumed = 0
@@ -265,17 +265,22 @@ class StreamingBatches:
         return row
 
     def state_dict(self) -> dict:
-        return {"dataset": self.dataset.state_dict(), "buffer": self.buffer, "consumed": self.consumed}
+        stream = {"dataset": self.dataset.state_dict(), "buffer": self.buffer, "consumed": self.consumed}
+        return {**stream, "dp_rank": self.dp_rank}
 
-    def load_state_dict(self, states: list[dict], rank: int) -> None:
-        if len(states) != self.dp_size:
+    def load_state_dict(self, states: list[dict]) -> None:
+        """`states`: every rank's state_dict(). The ranks of a context-parallel group read one stream and
+        save the same state, so the states are keyed by data-parallel rank, not rank."""
+        streams = {state.get("dp_rank", rank): state for rank, state in enumerate(states)}
+        if len(streams) != self.dp_size:
             raise ConfigError(
-                f"this streaming run was checkpointed on {len(states)} data-parallel ranks; a stream "
+                f"this streaming run was checkpointed on {len(streams)} data-parallel ranks; a stream "
                 f"resumes only on the same number (use local files to resume on another world size)"
             )
-        self.dataset.load_state_dict(states[rank]["dataset"])
+        mine = streams[self.dp_rank]
+        self.dataset.load_state_dict(mine["dataset"])
         self.stream = iter(self.dataset)
-        self.buffer, self.consumed = states[rank]["buffer"], states[rank]["consumed"]
+        self.buffer, self.consumed = mine["buffer"], mine["consumed"]
 
     def micro_batches(self, first_sample: int) -> list[Batch]:
         out = []

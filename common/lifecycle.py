@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from common.checkpoint import save_checkpoint
+from common.checkpoint import CheckpointNotWritten, save_checkpoint
 from common.config import Config, ConfigError
 from common.faults import arm_gradient_fault, inject_fault
 from common.mesh import gather
@@ -106,6 +106,8 @@ class Bookkeeping:
                 f"gradient norm is {exc.norm} at step {self.step}; stopping before the optimizer step, "
                 f"without saving: the last checkpoint is intact (try a lower train.lr)"
             ) from None
+        if isinstance(exc, CheckpointNotWritten):
+            raise SystemExit(str(exc)) from None
 
     def after_step(self, step: int, stats: dict, tokens: int) -> bool:
         """`stats`: the step's loss and other numbers to log. True: stop here (the checkpoint is written)."""

@@ -8,6 +8,7 @@ import importlib
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import DistributedConfig
@@ -19,6 +20,7 @@ from common.config import ConfigError
 from common.mesh import MoeSizes
 
 DISPATCH = "ep_dispatch_experts"  # the EP plan's style for a layer's experts
+GRAD_ALL_REDUCE = "replicated_with_grad_allreduce"  # TP style of Qwen3's q_norm/k_norm: partial gradients
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
@@ -55,12 +57,39 @@ def apply_tp_ep(
         raise ConfigError(f"parallelism sizes do not fit this model: {e}") from None
     if sizes.tp > 1:
         apply_tensor_parallelism(model, dense_mesh["tp"], tp_plan)
+        modules = dict(model.named_modules())
+        for name in (n for n, style in tp_plan.items() if style == GRAD_ALL_REDUCE and n in modules):
+            _all_reduce_each_gradient(modules[name], dense_mesh["tp"].get_group())
     if sizes.ep == 1:
         return []
     # The EP group's ranks exchange tokens; tp ranks holding the same batch split it first, so no token
     # is computed twice (see AllToAllEP in Transformers).
     apply_expert_parallelism(model, expert_mesh["ep"], dense_mesh["tp"], ep_plan, ep_implementation="auto")
     return expert_modules(model)
+
+
+def _all_reduce_each_gradient(module: nn.Module, group) -> None:
+    """Sum this replicated module's partial parameter gradients over tp, each backward's before it is
+    accumulated. Transformers all-reduces `.grad` after accumulation instead, which sums the earlier
+    micro-batches' already-reduced gradients again (x tp) when `.grad` is kept between backward passes,
+    as FSDP2 does under set_requires_gradient_sync(False)."""
+    vars(module).pop("forward", None)  # drop Transformers' wrapper, which adds the post-accumulate hook
+    hooked: dict[str, nn.Parameter] = {}
+
+    def all_reduce(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    def hook_params(mod: nn.Module, _args) -> None:
+        # On forward, not now: FSDP swaps in its unsharded parameter, and loading replaces placeholders.
+        if torch.is_grad_enabled():
+            for name, param in mod.named_parameters(recurse=False):
+                if param.requires_grad and hooked.get(name) is not param:
+                    param.register_hook(all_reduce)
+                    hooked[name] = param
+
+    module.register_forward_pre_hook(hook_params)
 
 
 class RouterLogits:

@@ -14,8 +14,23 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import DTensor, Shard
 
 from common.config import ConfigError, FsdpConfig, class_names, resolve_mixed_precision
+
+
+def split_experts_over(mesh: DeviceMesh):
+    """FSDP2 splits dim 0, here the rank's experts. With fewer of them than ranks to split over (Mixtral's 8
+    experts at ep 8 on 16 GPUs: 1 expert, 2 ranks), some ranks would hold all the expert weights and the
+    others none; split a weight dim instead."""
+
+    def placement(param: nn.Parameter) -> Shard:
+        shape = param.to_local().shape if isinstance(param, DTensor) else param.shape  # EP: this rank's
+        if shape[0] >= mesh.size():
+            return Shard(0)
+        return Shard(max(range(len(shape)), key=lambda dim: shape[dim]))
+
+    return placement
 
 
 def resolve_layer_classes(model: nn.Module, fsdp: FsdpConfig) -> set[str]:
@@ -131,7 +146,7 @@ def apply_fsdp(
         reshard_after_forward=fsdp.reshard_after_forward, mp_policy=mp_policy, offload_policy=offload
     )
     for module in experts:
-        fully_shard(module, mesh=expert_mesh, **kwargs)
+        fully_shard(module, mesh=expert_mesh, shard_placement_fn=split_experts_over(expert_mesh), **kwargs)
     units = plan_units(model, fsdp, layer_classes, set(experts))
     for unit in units:
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, **kwargs)

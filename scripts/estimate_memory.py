@@ -2,15 +2,16 @@
 
     python scripts/estimate_memory.py --config configs/llama.json --world-size 8 --gpu-memory-gib 80
     python scripts/estimate_memory.py --config configs/eval_cp_llama.json --world-size 8 --json
+    python scripts/estimate_memory.py --config configs/qwen3_moe.json --world-size 16 --quick
     python scripts/estimate_memory.py --config configs/debug_llama.json --world-size 2 --device cpu
 
-The recipe's own code runs: its config checks, mesh, CP setup, apply_fsdp (wrap policy, activation
-checkpointing, mixed precision, reshard, offload) and its loss, then forward, backward and AdamW steps at the
-config's micro-batch and sequence length. It runs under FakeTensorMode with a fake process group of
---world-size ranks on the CPU: tensors have shapes and no data, so an 8B model needs no memory, GPU,
-weights, tokenizer or dataset. This process plays rank 0, whose shards are the largest. torch's
-FSDPMemTracker counts every tensor alive at every op; the peak is taken over two steps, the second one
-with optimizer state.
+The recipe's own code runs: its config checks, mesh, CP setup, Transformers' TP and EP plans, apply_fsdp
+(wrap policy, activation checkpointing, mixed precision, reshard, offload) and its loss, then forward,
+backward and AdamW steps at the config's micro-batch and sequence length. It runs under FakeTensorMode
+with a fake process group of --world-size ranks on the CPU: tensors have shapes and no data, so an 8B
+model needs no memory, GPU, weights, tokenizer or dataset. This process plays rank 0, whose shards are the
+largest. torch's FSDPMemTracker counts every tensor alive at every op; the peak is taken over two steps,
+the second one with optimizer state.
 
 Planning for a GPU on a CPU (--device cuda, the default):
 - Mixed precision resolves as on CUDA (bf16 parameters and fp32 reduction unless the config says otherwise).
@@ -21,6 +22,8 @@ Planning for a GPU on a CPU (--device cuda, the default):
   to the peak before it is compared with --gpu-memory-gib.
 - train.compile is ignored: compiled layers fuse elementwise ops and save less, so eager is an upper bound.
 - Gradient clipping and the loss's host reads (.item()) are left out: they hold a few scalars per tensor.
+- MoE: tokens are routed evenly (fake tensors have no values to route by); a skewed router sends some ranks
+  more. The held-out evaluation before training is not planned.
 """
 
 from __future__ import annotations
@@ -32,29 +35,34 @@ import json
 import math
 import os
 import sys
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch import _meta_registrations as meta_registrations
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import _disable_current_modes
+from transformers.distributed.expert_parallel import AllToAllEP
 
 from common import cp
 from common.config import Config, ConfigError
 from common.config_sources import apply_override, load_config, run_cli
 from common.data import Batch
-from common.mesh import build_dp_mesh
+from common.mesh import build_dp_mesh, build_moe_meshes, fsdp_meshes
 from common.metrics import GIB, CommCounter, sharded_state_bytes
 from common.model import build_meta_model, init_buffers, load_model_config
+from common.moe import apply_tp_ep
 from common.optim import build_optimizer
 from common.wrap import apply_fsdp
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+SCRIPTS_OF = {"pretrain": "pretrain_fsdp", "eval": "eval_cp", "moe": "finetune_moe_ep_fsdp"}
 # Architecture-only copies of the hub configs the shipped configs name, so planning needs no network.
 HUB_CONFIGS = os.path.join(os.path.dirname(SCRIPTS), "configs", "hub")
 
@@ -97,19 +105,56 @@ def causal_bias_outside_fake_mode() -> None:
     cp.causal_lower_right = outside
 
 
-def label_accumulated_gradients(tracker: FSDPMemTracker, model: torch.nn.Module) -> None:
+def route_tokens_evenly() -> None:
+    """Expert parallelism reads its all-to-all split sizes on the host (.tolist() on per-expert token
+    counts), and fake tensors have no values. Plan for even routing, which the load-balancing loss aims
+    for: each rank sends the same share of its (token, expert) pairs to every rank of its EP group, and
+    receives as many. (Transformers' AllToAllEP, pinned Transformers: there is no hook for the sizes.)"""
+    original = AllToAllEP._dispatch_tokens
+
+    def evenly(self, hidden_states, top_k_index, top_k_weights):
+        # This rank's rows after TP peers split their shared batch, times top-k.
+        pairs = math.ceil(hidden_states.shape[0] / self.tp_mesh.size()) * top_k_index.shape[-1]
+        ep = self.ep_mesh.size()
+        split = [pairs // ep + (rank < pairs % ep) for rank in range(ep)]
+        with mock.patch.object(FakeTensor, "tolist", lambda counts: [split, split]):
+            return original(self, hidden_states, top_k_index, top_k_weights)
+
+    AllToAllEP._dispatch_tokens = evenly
+
+
+def grouped_mm_in_float32() -> None:
+    """torch's shape function for grouped_mm (the experts' matmul) copies the CUDA kernel's bf16-only check;
+    the CPU kernel, which a real --device cpu run uses, also takes float32. Give float32 the same output.
+    (Private torch API, pinned torch.)"""
+    original = meta_registrations._meta_grouped_mm_common
+
+    def any_float(
+        mat_a, mat_b, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None, **kw
+    ):
+        if scale_a is None and mat_a.dtype == mat_b.dtype == torch.float32:
+            return meta_registrations._create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
+        return original(mat_a, mat_b, scale_a, scale_b, offs, bias, scale_result, out_dtype, **kw)
+
+    meta_registrations._meta_grouped_mm_common = any_float
+
+
+def label_accumulated_gradients(tracker: FSDPMemTracker):
     """With accumulation and no gradient sync, FSDP2 keeps each parameter's unsharded gradient in the
     reduce dtype until the last micro-batch. FSDPMemTracker only labels `.grad`, so it counted these (the
-    whole model in fp32 on every rank, 30 GiB at 8B) as backward temporaries. Relabel them as
-    gradients. (Private FSDP and tracker state, pinned torch: there is no public accessor.)"""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            for group in module._get_fsdp_state()._fsdp_param_groups:
-                for fsdp_param in group.fsdp_params:
-                    if fsdp_param.unsharded_accumulated_grad is not None:
-                        tracker._update_and_maybe_create_winfos(
-                            fsdp_param.unsharded_accumulated_grad, _FSDPRefType.UNSHARDED_GRAD
-                        )
+    whole model in fp32 on every rank, 30 GiB at 8B) as backward temporaries. Label each one a gradient
+    as FSDP2 creates it, in backward, so that a peak inside backward is split right too. (Private FSDP and
+    tracker state, pinned torch: there is no public accessor.)"""
+    original = FSDPParam.to_accumulated_grad_if_needed
+
+    def labelled(fsdp_param):
+        original(fsdp_param)
+        if fsdp_param.unsharded_accumulated_grad is not None:
+            tracker._update_and_maybe_create_winfos(
+                fsdp_param.unsharded_accumulated_grad, _FSDPRefType.UNSHARDED_GRAD
+            )
+
+    return mock.patch.object(FSDPParam, "to_accumulated_grad_if_needed", labelled)
 
 
 def load_script(name: str):
@@ -142,9 +187,13 @@ def pick_recipe(requested: str, config_path: str, cfg: Config, hf_config) -> str
         return "pretrain" if "train" in json.load(f) else "eval"
 
 
-def fake_batch(micro_batch: int, seq_len: int, vocab: int) -> Batch:
+def fake_batch(micro_batch: int, seq_len: int, vocab: int, sft: bool) -> Batch:
     input_ids = torch.randint(0, vocab, (micro_batch, seq_len))
-    return Batch(input_ids=input_ids, labels=input_ids.clone(), sample_ids=[])
+    batch = Batch(input_ids=input_ids, labels=input_ids.clone(), sample_ids=[])
+    if sft:  # a packed row of real tokens
+        batch.position_ids = torch.arange(seq_len).expand(micro_batch, -1)
+        batch.token_mask = torch.ones_like(input_ids, dtype=torch.bool)
+    return batch
 
 
 def peak_breakdown(tracker: FSDPMemTracker) -> dict:
@@ -156,49 +205,75 @@ def peak_breakdown(tracker: FSDPMemTracker) -> dict:
     return {"peak": by_name["Total"], **parts}
 
 
+def shard_on_meta(cfg: Config, recipe: str, world_size: int, device_type: str) -> dict:
+    """What the recipe does before it allocates anything, as this process's fake rank: its config check,
+    meshes, TP/EP plans and apply_fsdp, on `meta`."""
+    script = load_script(SCRIPTS_OF[recipe])
+    t, cp_size = cfg.train, cfg.parallelism.cp_size
+    hf_config = load_model_config(cfg.model, cfg.data.seq_len)
+    model = build_meta_model(hf_config, cfg.model, t.gradient_checkpointing)
+    params = sum(p.numel() for p in model.parameters())  # before TP and EP split them
+    experts, expert_mesh, moe = [], None, None
+    if recipe == "pretrain":
+        dp_replicate, dp_shard, dp_size = script.check_config(cfg, world_size)
+        mesh = build_dp_mesh("cpu", dp_replicate, dp_shard * cp_size)
+    elif recipe == "eval":
+        script.check_config(cfg, world_size)
+        mesh = build_dp_mesh("cpu", 1, world_size)
+    else:
+        sizes, num_experts, aux_loss_fn = script.check_config(cfg, world_size, model)
+        dense_mesh, expert_mesh = build_moe_meshes("cpu", sizes)
+        experts = apply_tp_ep(model, sizes, dense_mesh, expert_mesh)
+        mesh, expert_mesh = fsdp_meshes(dense_mesh, expert_mesh)
+        dp_size, moe = sizes.dp, (num_experts, aux_loss_fn)
+    sharding = apply_fsdp(model, mesh, cfg.fsdp, device_type, experts=experts, expert_mesh=expert_mesh)
+    micro_batch, accumulation = cfg.eval.batch_size, 1
+    if recipe != "eval":
+        micro_batch, accumulation = t.micro_batch_size, t.global_batch_size // (t.micro_batch_size * dp_size)
+    return dict(
+        params=params,
+        script=script,
+        model=model,
+        hf_config=hf_config,
+        sharding=sharding,
+        moe=moe,
+        micro_batch=micro_batch,
+        accumulation=accumulation,
+    )
+
+
 def measure(cfg: Config, recipe: str, world_size: int, device_type: str) -> dict:
     """One fake run of `recipe` on rank 0 of `world_size`: peak bytes by category, state bytes, comm."""
-    script = load_script({"pretrain": "pretrain_fsdp", "eval": "eval_cp"}[recipe])
     cfg = copy.deepcopy(cfg)  # the check below may set model.attn_implementation
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     device = torch.device("cpu")
     try:
-        t, seq_len, cp_size = cfg.train, cfg.data.seq_len, cfg.parallelism.cp_size
-        if recipe == "pretrain":
-            dp_replicate, dp_shard, dp_size = script.check_config(cfg, world_size)
-            mesh = build_dp_mesh("cpu", dp_replicate, dp_shard * cp_size)
-            micro_batch = t.micro_batch_size
-            accumulation = t.global_batch_size // (micro_batch * dp_size)
-        else:
-            script.check_config(cfg, world_size)
-            mesh = build_dp_mesh("cpu", 1, world_size)
-            micro_batch, accumulation = cfg.eval.batch_size, 1
+        built = shard_on_meta(cfg, recipe, world_size, device_type)
+        script, model, micro_batch = built["script"], built["model"], built["micro_batch"]
+        accumulation, seq_len, cp_size = built["accumulation"], cfg.data.seq_len, cfg.parallelism.cp_size
         positions = None
         if cp_size > 1 or recipe == "eval":  # as each script does
             load_balance = cfg.eval.load_balance if recipe == "eval" else True
             positions, _, _ = cp.setup(seq_len, cp_size, load_balance, device, cfg.data.document_mask)
-        # Meshes and CP state hold real tensors; everything from the model on is fake.
+        # Meshes, CP state and the sharding plan are real or on `meta`; from the weights on, all is fake.
         with FakeTensorMode(allow_non_fake_inputs=True):
-            hf_config = load_model_config(cfg.model, seq_len)
-            model = build_meta_model(hf_config, cfg.model, t.gradient_checkpointing)
-            sharding = apply_fsdp(model, mesh, cfg.fsdp, device_type)
             model.to_empty(device=device)
             init_buffers(model, device)
-            batch = fake_batch(micro_batch, seq_len, hf_config.vocab_size)
-            if recipe == "pretrain":
-                optimizer = build_optimizer(model, cfg, torch.device(device_type))
-            else:
-                optimizer = None
+            batch = fake_batch(micro_batch, seq_len, built["hf_config"].vocab_size, sft=recipe == "moe")
+            optimizer = None if recipe == "eval" else build_optimizer(model, cfg, torch.device(device_type))
             tracker = FSDPMemTracker(model, optimizer)
+            if recipe == "pretrain":
+                loss = lambda: script.token_loss_sum(model, batch, device, positions)  # noqa: E731
+            elif recipe == "moe":
+                loss = moe_loss(script, model, batch, built["moe"], cfg.train.router_aux_loss_coef)
 
             def step():
                 if recipe == "eval":
                     return eval_step(script, model, batch, positions, cfg)
-                after_backward = lambda: label_accumulated_gradients(tracker, model)  # noqa: E731
-                train_step(script, model, optimizer, batch, positions, accumulation, t, after_backward)
+                train_step(model, optimizer, loss, accumulation, cfg.train.sync_each_batch)
 
             tracker.track_inputs((batch.input_ids, batch.labels))
-            with tracker, CommCounter().patch() as comm:
+            with tracker, label_accumulated_gradients(tracker), CommCounter().patch() as comm:
                 step()  # the first step creates the optimizer state
                 tracker.reset_mod_stats()
                 comm.reset()
@@ -206,17 +281,31 @@ def measure(cfg: Config, recipe: str, world_size: int, device_type: str) -> dict
             state = sharded_state_bytes(model, optimizer) if optimizer else {}
             result = {
                 **peak_breakdown(tracker),
-                **sharding,
-                "params": sum(p.numel() for p in model.parameters()),
+                **built["sharding"],
+                "params": built["params"],
                 "micro_batch_size": micro_batch,
+                "accumulation": accumulation,
                 "state": state,
-                "comm_bytes_per_step": comm_per_step(comm.counts, accumulation, t.sync_each_batch),
+                "comm_bytes_per_step": comm_per_step(comm.counts, accumulation, cfg.train.sync_each_batch),
             }
     finally:
         dist.destroy_process_group()
     if cfg.fsdp.cpu_offload:  # sharded parameters, gradients and optimizer state then live in host memory
         result["peak"] -= result["parameters"] + result["gradients"] + result["optimizer_state"]
     return result
+
+
+def moe_loss(script, model, batch: Batch, moe: tuple, coef: float | None):
+    """finetune_moe_ep_fsdp.py's loss: cross-entropy on answer tokens plus the weighted router loss. Its
+    per-expert token counts (host-side statistics) are skipped: bincount's size depends on values."""
+    script.router_load = lambda logits, top_k, valid: torch.zeros(len(logits), logits[0].shape[-1])
+    loss_fn = script.MoeLoss(model, moe[1], moe[0], coef)
+
+    def loss() -> torch.Tensor:
+        ce, aux, _ = loss_fn(model, batch, torch.device("cpu"))
+        return ce + loss_fn.coef * aux
+
+    return loss
 
 
 def comm_per_step(counts: dict, accumulation: int, sync_each_batch: bool) -> dict:
@@ -230,14 +319,13 @@ def comm_per_step(counts: dict, accumulation: int, sync_each_batch: bool) -> dic
     return {"all_gather_bytes": all_gather, "reduce_scatter_bytes": reduce_scatter}
 
 
-def train_step(script, model, optimizer, batch, positions, accumulation: int, t, after_backward) -> None:
+def train_step(model, optimizer, loss, accumulation: int, sync_each_batch: bool) -> None:
     """The recipe's forward and loss, backward with its gradient-sync rule, and the AdamW step. Two
     micro-batches stand for any accumulation: unsharded gradients accumulate in place after the first."""
     micro_batches = min(accumulation, 2)
     for i in range(micro_batches):
-        model.set_requires_gradient_sync(t.sync_each_batch or i == micro_batches - 1)
-        script.token_loss_sum(model, batch, torch.device("cpu"), positions).backward()
-        after_backward()
+        model.set_requires_gradient_sync(sync_each_batch or i == micro_batches - 1)
+        loss().backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -262,28 +350,22 @@ def per_rank_state_bytes(cfg: Config, recipe: str, world_size: int, device_type:
     for rank in range(world_size):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
         try:
-            if recipe == "pretrain":
-                dp_replicate, dp_shard, _ = load_script("pretrain_fsdp").check_config(
-                    copy.deepcopy(cfg), world_size
-                )
-                mesh = build_dp_mesh("cpu", dp_replicate, dp_shard * cfg.parallelism.cp_size)
-            else:
-                mesh = build_dp_mesh("cpu", 1, world_size)
-            model = build_meta_model(load_model_config(cfg.model), cfg.model)
-            apply_fsdp(model, mesh, cfg.fsdp, device_type)
+            model = shard_on_meta(copy.deepcopy(cfg), recipe, world_size, device_type)["model"]
             params = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
-            out.append({"param_bytes": params, "optimizer_bytes": 2 * params if recipe == "pretrain" else 0})
+            out.append({"param_bytes": params, "optimizer_bytes": 2 * params if recipe != "eval" else 0})
         finally:
             dist.destroy_process_group()
     return out
 
 
-def estimate(cfg: Config, recipe: str, world_size: int, device_type: str, budget_gib: float) -> dict:
+def estimate(cfg: Config, recipe: str, world_size: int, device_type: str, budget_gib: float, quick: bool):
     """One config's measurement, and the largest micro-batch that fits: the peak is measured again at twice
     the micro-batch (same accumulation), and grows linearly in between (activations are per sequence)."""
     base = measure(cfg, recipe, world_size, device_type)
+    if quick:
+        return {**base, "max_micro_batch_size": None}
     doubled = copy.deepcopy(cfg)
-    if recipe == "pretrain":
+    if recipe != "eval":
         doubled.train.micro_batch_size *= 2
         doubled.train.global_batch_size *= 2
     else:
@@ -295,17 +377,15 @@ def estimate(cfg: Config, recipe: str, world_size: int, device_type: str, budget
     return {**base, "per_sequence_bytes": per_sequence, "max_micro_batch_size": max(largest, 0)}
 
 
-def advice(cfg: Config, recipe: str, world_size: int, device_type: str, budget_gib: float) -> list[dict]:
+def advice(cfg: Config, recipe: str, world_size: int, device_type: str, budget_gib: float, base: dict):
     """For a config that does not fit: the peak with each single change that lowers memory."""
-    t, fsdp = cfg.train, cfg.fsdp
-    dp_size = world_size // cfg.parallelism.cp_size
-    accumulates = recipe == "pretrain" and t.global_batch_size > t.micro_batch_size * dp_size
+    t, fsdp, trains = cfg.train, cfg.fsdp, recipe != "eval"
     changes = [
-        ("fsdp.activation_checkpointing=true", recipe == "pretrain" and not fsdp.activation_checkpointing),
-        ("train.sync_each_batch=true", accumulates and not t.sync_each_batch),
+        ("fsdp.activation_checkpointing=true", trains and not fsdp.activation_checkpointing),
+        ("train.sync_each_batch=true", base["accumulation"] > 1 and not t.sync_each_batch),
         ("fsdp.reshard_after_forward=true", fsdp.reshard_after_forward is not True),
         ("fsdp.cpu_offload=true", not fsdp.cpu_offload),
-        ("train.micro_batch_size=1", recipe == "pretrain" and t.micro_batch_size > 1),
+        ("train.micro_batch_size=1", trains and t.micro_batch_size > 1),
     ]
     trials = [([change], world_size) for change, useful in changes if useful]
     trials.append(([], 2 * world_size))
@@ -330,12 +410,12 @@ def table(report: dict) -> str:
     rows = [
         ("recipe", report["recipe"]),
         ("world size / FSDP units", f"{report['world_size']} / {report['fsdp_units']}"),
-        ("parameters (model)", f"{report['params'] / 1e9:.2f} B"),
+        ("parameters (model)", f"{report['params']:,}"),
         ("peak per rank, GiB", f"{report['peak_gib_per_rank']:.2f} + {report['reserve_gib']} reserve"),
         *((f"  {name}, GiB", gib(report["breakdown_bytes"][name])) for name in report["breakdown_bytes"]),
         ("GPU memory, GiB", f"{report['gpu_memory_gib']}"),
         ("fits / headroom, GiB", f"{'yes' if report['fits'] else 'NO'} / {report['headroom_gib']:.2f}"),
-        ("largest micro-batch that fits", report["max_micro_batch_size"]),
+        ("largest micro-batch that fits", report["max_micro_batch_size"] or "not measured (--quick)"),
         (
             "param / grad / optimizer bytes per rank",
             "{:,} / {:,} / {:,}".format(
@@ -374,6 +454,9 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
     parser.add_argument("--recipe", choices=["auto", "pretrain", "eval", "moe"], default="auto")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="the run to plan for")
     parser.add_argument("--json", action="store_true", help="also print one JSON object on stdout")
+    parser.add_argument(
+        "--quick", action="store_true", help="one measurement: no largest micro-batch, no alternatives"
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
     if args.world_size < 1:
@@ -385,16 +468,13 @@ def main(argv: list[str] | None = None) -> None:
     args, cfg = parse(argv)
     offline_model(cfg)
     recipe = pick_recipe(args.recipe, args.config, cfg, load_model_config(cfg.model))
-    if recipe == "moe":
-        raise SystemExit(
-            "estimate_memory: MoE configs are not planned yet (EP routes tokens by data-dependent sizes, "
-            "which fake tensors do not have)"
-        )
     cfg.train.compile = False
     isolate_sharding_propagation()
     causal_bias_outside_fake_mode()
+    route_tokens_evenly()
+    grouped_mm_in_float32()
     budget = args.gpu_memory_gib - args.reserve_gib
-    result = estimate(cfg, recipe, args.world_size, args.device, budget)
+    result = estimate(cfg, recipe, args.world_size, args.device, budget, args.quick)
     states = per_rank_state_bytes(cfg, recipe, args.world_size, args.device)
     if result["state"] and result["state"] != states[0]:
         raise SystemExit(f"estimate_memory: rank 0's state {result['state']} != {states[0]} (a bug here)")
@@ -415,8 +495,8 @@ def main(argv: list[str] | None = None) -> None:
         "params": result["params"],
         "comm_bytes_per_step": result["comm_bytes_per_step"],
     }
-    if not report["fits"]:
-        report["alternatives"] = advice(cfg, recipe, args.world_size, args.device, budget)
+    if not report["fits"] and not args.quick:
+        report["alternatives"] = advice(cfg, recipe, args.world_size, args.device, budget, result)
     print(table(report))
     if args.json:
         print(json.dumps(report))

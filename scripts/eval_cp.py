@@ -35,13 +35,13 @@ from torch.distributed.tensor.experimental._attention import _cp_options, set_ro
 from torch.distributed.tensor.experimental._context_parallel._attention import custom_ops as cp_kernels
 
 from common import cp
-from common.checkpoint import is_sharded_export, load_hf_weights, load_sharded_export
 from common.config import Config, ConfigError
 from common.config_sources import parse_args, run_cli
 from common.data import build_batches
 from common.mesh import build_dp_mesh, gather, init_distributed, resolve_device
 from common.metrics import GIB, event_line, peak_memory_bytes, reset_peak_memory
 from common.model import build_meta_model, init_buffers, load_model_config
+from common.weights import is_sharded_export, load_hf_weights, load_sharded_export
 from common.wrap import apply_fsdp, resolve_layer_classes
 
 CPU_SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from common import cp
-from common.checkpoint import export_final, find_resume_checkpoint, load_checkpoint, load_or_init_weights
+from common.checkpoint import find_resume_checkpoint, load_checkpoint
 from common.config import Config, check_batch_sizes, check_vocab_size
 from common.config_sources import parse_args, run_cli
 from common.data import Batch, build_batches
@@ -36,6 +36,7 @@ from common.metrics import (
 )
 from common.model import build_meta_model, init_buffers, load_model_config
 from common.optim import build_optimizer, clip_grad_norm_, lr_multiplier
+from common.weights import export_final, load_or_init_weights
 from common.wrap import apply_fsdp, resolve_layer_classes
 
 
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     start_step, samples = 0, 0  # samples: the global data position, the same on any world size
     if resume_from:  # weights, optimizer, scheduler, RNG and data position, resharded to this world size
         state = load_checkpoint(resume_from, model, optimizer, scheduler)
-        data.load_state_dict(state["data"], d.rank)
+        data.load_state_dict(state["data"])
         start_step, samples = state["step"], state["samples"]
     else:
         load_or_init_weights(model, cfg, hf_config.initializer_range)

@@ -34,16 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from common.checkpoint import (
-    checkpoints_dir,
-    find_resume_checkpoint,
-    is_sharded_export,
-    prepare_for_generation,
-    publish,
-    publish_checkpoint,
-    restore_train_state,
-    write_hf_directory,
-)
+from common.checkpoint import checkpoints_dir, find_resume_checkpoint, publish_checkpoint, restore_train_state
 from common.config import Config, ConfigError, FsdpConfig, check_vocab_size
 from common.config_sources import parse_args, run_cli
 from common.data import build_batches
@@ -51,6 +42,7 @@ from common.lifecycle import Bookkeeping
 from common.metrics import MetricsLogger, StepTimer, flops_per_token
 from common.model import build_meta_model, init_buffers, init_weights, load_model_config
 from common.optim import NonFiniteGradients, build_optimizer, lr_multiplier
+from common.weights import is_sharded_export, prepare_for_generation, publish, write_hf_directory
 from common.wrap import plan_units, resolve_layer_classes
 
 try:
@@ -366,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     start_step, samples = 0, 0
     if resume_from:
         state = load_checkpoint(resume_from, model, optimizer, scheduler)
-        data.load_state_dict(state["data"], 0)
+        data.load_state_dict(state["data"])
         start_step, samples = state["step"], state["samples"]
 
     logger = MetricsLogger(cfg, is_main)  # also writes run_config.json

@@ -324,3 +324,66 @@ def test_every_rank_gets_its_own_rng_state_back(tmp_path):
     script.write_text(PER_RANK_RNG)
     proc = run_command([*torchrun(2), str(script), str(tmp_path / "run")], timeout=180)
     assert sorted(proc.stdout.split("\n")[:-1]) == [f"rank {r} restored its own RNG: True" for r in (0, 1)]
+
+
+def test_resuming_an_older_step_starts_a_branch_that_auto_then_follows(tmp_path):
+    """A run reached step 8; resumed from step 4 and trained to step 6, the newer steps move aside (kept,
+    named in one line), keep_latest cannot prune the new step-6 as older than step-8, and resume=auto
+    continues from the new branch's step 6."""
+    keep = ["checkpoint.interval=2", "checkpoint.keep_latest=10", "checkpoint.export=false"]
+    pretrain(tmp_path, "train.steps=8", *keep)
+    root = tmp_path / "checkpoints"
+    proc = run(
+        "pretrain_fsdp.py",
+        ["--config", TINY, f"checkpoint.dir={tmp_path}", "train.steps=6", *keep]
+        + [f"checkpoint.resume={root / 'step-4'}", "checkpoint.keep_latest=1"],
+        nproc=2,
+    )
+    aside = root / "abandoned-after-step-4"
+    assert sorted(os.listdir(aside)) == ["step-6", "step-8"]
+    assert f"moved step-6, step-8 to {aside}" in proc.stdout
+    assert sorted(os.listdir(root)) == ["abandoned-after-step-4", "step-6"]
+    resumed = read_metrics_after(tmp_path, lambda: pretrain(tmp_path, "train.steps=8", *keep))
+    assert event(resumed, "model_ready")["resumed_from"] == str(root / "step-6")
+    assert [record["step"] for record in steps(resumed)] == [7, 8]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """An 11 MB tmpfs: room for one checkpoint of the tiny model at 2 ranks (7.4 MB), not two."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=11m", "tmpfs", str(mount)], capture_output=True
+    )
+    if proc.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.decode().strip()}); it needs root")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_during_a_checkpoint_write_stops_cleanly_and_resumes(small_disk):
+    run_dir = small_disk / "run"
+    overrides = ["train.steps=4", "checkpoint.interval=2", "checkpoint.export=false"]
+    proc = run(
+        "pretrain_fsdp.py",
+        ["--config", TINY, f"checkpoint.dir={run_dir}", *overrides],
+        nproc=2,
+        check=False,
+    )
+    root = run_dir / "checkpoints"
+    line = (
+        f"checkpoint step-4 could not be written: the disk is full (No space left on device), under {root}"
+        f"; removed the partial step-4.tmp, and step-2 is intact. Free space and rerun the same command to "
+        f"resume"
+    )
+    assert proc.stderr.count(line) == 2  # one line per rank
+    # A normal exit with code 1 on both ranks (torchrun reports each), not an abort; and no tracebacks, the
+    # writer threads' included (only torchrun's own, for the failed job, remains).
+    assert proc.returncode == 1 and proc.stderr.count("exitcode  : 1 ") == 2
+    assert "SIGABRT" not in proc.stderr and proc.stderr.count("Traceback") == 1
+    assert sorted(os.listdir(root)) == ["step-2"]
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    resumed = read_metrics_after(run_dir, lambda: pretrain(run_dir, *overrides))
+    assert event(resumed, "model_ready")["start_step"] == 2
+    assert [record["step"] for record in steps(resumed)] == [3, 4]

@@ -15,7 +15,7 @@ from common.data import (
     load_tokenizer,
     prepare_local_data,
 )
-from launch import losses, pretrain
+from launch import event, losses, pretrain, steps
 
 DOCS = [f"def function_{i}(x):\n    return x * {i} + {i * i}\n" * (5 + i % 7) for i in range(60)]
 
@@ -113,3 +113,19 @@ def test_training_on_local_jsonl_and_streamed_jsonl(tmp_path):
     )
     assert len(losses(local)) == 3 and len(losses(streamed)) == 3
     assert all(np.isfinite(losses(local) + losses(streamed)))
+
+
+def test_a_streamed_run_with_context_parallelism_resumes_where_it_stopped(tmp_path):
+    """cp 2 x dp 2: both ranks of a CP group read one stream, and the checkpoint holds every rank's
+    copy of it; the resumed run must take its own data-parallel rank's stream position."""
+    path = write_docs(tmp_path, "jsonl")
+    run = ["train.steps=4", f"data.dataset={path}", "data.streaming=true", "parallelism.cp_size=2"]
+    run += ["checkpoint.export=false"]
+    straight = pretrain(tmp_path / "straight", *run, nproc=4)
+    stopped = pretrain(tmp_path / "resumed", *run, "train.stop_after=2", nproc=4)
+    assert event(stopped, "stopped")["step"] == 2
+    both = pretrain(tmp_path / "resumed", *run, nproc=4)
+    resumed = both[len(stopped) :]
+    assert event(resumed, "model_ready")["start_step"] == 2
+    assert [r["step"] for r in steps(resumed)] == [3, 4]
+    assert losses(resumed) == losses(straight)[2:]  # the same batches, in the same order

@@ -14,6 +14,7 @@ import pytest
 from launch import REPO, event, read_metrics, run, run_command, torchrun
 
 DEBUG = os.path.join(REPO, "configs", "debug_llama.json")
+DEBUG_MOE = os.path.join(REPO, "configs", "debug_moe.json")
 # Wider layers than debug_llama's, so what a change moves (whole layers' parameters, activations) stands far
 # above what gloo's timing moves in a real run (when a prefetched all-gather's buffer is freed).
 WIDE = {
@@ -41,11 +42,13 @@ def estimate(config: str, world: int, *overrides: str, device: str = "cpu") -> d
     return json.loads(run_command(cmd, timeout=600).stdout.strip().splitlines()[-1])
 
 
-def real_run(tmp_path, name: str, world: int, *overrides: str, config: str = DEBUG) -> tuple[int, list[dict]]:
+def real_run(
+    tmp_path, name: str, world: int, *overrides: str, config: str = DEBUG, script: str = "pretrain_fsdp.py"
+) -> tuple[int, list[dict]]:
     """(the highest rank's training peak in bytes, state_bytes_per_rank) of a real run."""
     run_dir = tmp_path / name
     run(
-        "pretrain_fsdp.py",
+        script,
         ["--config", config, f"checkpoint.dir={run_dir}", *REAL_RUN, *overrides],
         launcher=[*torchrun(world), os.path.join(REPO, "tests", "profile_peak.py")],
         extra_env={"PEAK_OUT": str(tmp_path / f"{name}.peak")},
@@ -63,6 +66,25 @@ def test_estimate_matches_a_real_run(tmp_path, world):
     ratio = planned["peak_gib_per_rank"] * 2**30 / real_peak
     print(f"world {world}: estimate / real peak = {ratio:.3f}")
     assert 0.85 <= ratio <= 1.15, f"estimate / real peak = {ratio:.3f}"
+
+
+@pytest.mark.parametrize("world, ep", [(1, 1), (2, 2), (4, 4)])
+def test_moe_estimate_matches_a_real_run(tmp_path, world, ep):
+    """The small MoE with expert parallelism. The real runs skip the held-out evaluation, which runs before
+    training and is not planned; the estimate routes tokens evenly (the real router does not, quite)."""
+    overrides = [f"parallelism.ep_size={ep}", "data.eval_dataset=null"]
+    real_peak, real_states = real_run(
+        tmp_path, "moe", world, *overrides, config=DEBUG_MOE, script="finetune_moe_ep_fsdp.py"
+    )
+    planned = estimate(DEBUG_MOE, world, *overrides)
+    assert planned["recipe"] == "moe"
+    assert planned["state_bytes_per_rank"] == real_states  # exactly, rank by rank
+    ratio = planned["peak_gib_per_rank"] * 2**30 / real_peak
+    print(f"moe world {world} ep {ep}: estimate / real peak = {ratio:.3f}")
+    # Measured 1.00 at one rank; 0.88-0.90 at 2 and 4. There, FSDPMemTracker on the real run agrees with
+    # the estimate to 0.1%: the rest are allocations made inside torch ops, below any dispatch-level
+    # tracker (docs/memory.md). Hence the lower bound below 0.85 for several ranks.
+    assert (0.85 if world == 1 else 0.8) <= ratio <= 1.15, f"estimate / real peak = {ratio:.3f}"
 
 
 @pytest.mark.parametrize(
@@ -119,6 +141,29 @@ def test_long_context_eval_at_cp_8_builds_shards_and_runs():
     """configs/eval_cp_llama.json at real size: Llama 3.1 8B, 131,072 tokens, cp 8."""
     report = estimate(os.path.join(REPO, "configs", "eval_cp_llama.json"), 8, device="cuda")
     assert report["recipe"] == "eval" and report["fits"]
+
+
+def test_qwen3_moe_at_world_16_builds_shards_and_steps():
+    """configs/qwen3_moe.json at real size: Qwen3-30B-A3B, 128 experts, ep 8, 2 nodes x 8 GPUs of 80 GiB
+    (slurm/moe_ep.sh). One measurement (--quick): the planner's search is covered on the dense configs."""
+    report = estimate(os.path.join(REPO, "configs", "qwen3_moe.json"), 16, "--quick", device="cuda")
+    params = 30_532_122_624
+    assert report["recipe"] == "moe" and report["params"] == params
+    # fp32 parameters and two AdamW states, the experts split 8 ways by EP and everything 16 ways in all.
+    assert (
+        report["state_bytes_per_rank"] == [{"param_bytes": params // 4, "optimizer_bytes": params // 2}] * 16
+    )
+    assert report["fits"]
+
+
+def test_mixtral_at_world_16_builds_shards_and_steps():
+    """configs/mixtral.json at real size: Mixtral-8x7B (47B), one expert per rank (ep 8), 16 GPUs."""
+    report = estimate(os.path.join(REPO, "configs", "mixtral.json"), 16, "--quick", device="cuda")
+    params = 46_702_792_704
+    assert report["recipe"] == "moe" and report["params"] == params
+    assert (
+        report["state_bytes_per_rank"] == [{"param_bytes": params // 4, "optimizer_bytes": params // 2}] * 16
+    )
 
 
 def test_bad_world_size_is_one_line_with_exit_code_2():

@@ -1,0 +1,129 @@
+"""Weights in Hugging Face's formats: a new run's weights (an HF checkpoint, a SHARDED export, or a fresh
+init) and the final export. Written under `<name>.tmp` and renamed once complete, like the checkpoints."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+from common.config import Config, resolve_mixed_precision
+from common.model import init_weights
+
+
+def save_config(out_dir: str, model_config, tokenizer) -> None:
+    model_config.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+
+
+def publish(tmp: str, final: str) -> None:
+    old = f"{final}.old"
+    if os.path.exists(final):
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_hf_weights(
+    model: nn.Module, path: str, broadcast_from_rank0: bool, trust_remote_code: bool = False
+) -> None:
+    """Fill a sharded model from an HF checkpoint; with broadcast_from_rank0 only rank 0 reads the files."""
+    full = {}
+    if dist.get_rank() == 0 or not broadcast_from_rank0:
+        # from_pretrained applies the model's own key renames and weight conversions.
+        from transformers import AutoModelForCausalLM
+
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, trust_remote_code=trust_remote_code
+        )
+        full = hf_model.state_dict()
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0)
+    set_model_state_dict(model, full, options=options)
+
+
+def load_or_init_weights(model: nn.Module, cfg: Config, init_std: float) -> None:
+    """A new run's weights: a SHARDED export, an HF checkpoint, or a world-size-independent init."""
+    source = cfg.model.name_or_path
+    if source and is_sharded_export(source):
+        load_sharded_export(model, source)
+    elif source:
+        load_hf_weights(model, source, cfg.fsdp.cpu_ram_efficient_loading, cfg.model.trust_remote_code)
+    else:
+        init_weights(model, cfg.train.seed, init_std)
+
+
+def export_final(model: nn.Module, cfg: Config, tokenizer, device_type: str) -> str:
+    """`<checkpoint.dir>/export`, per fsdp.state_dict_type; returns the path."""
+    export_dir = os.path.join(cfg.checkpoint.dir, "export")
+    prepare_for_generation(model, tokenizer, from_scratch=not cfg.model.name_or_path)
+    if cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
+        dtype = getattr(torch, resolve_mixed_precision(cfg.fsdp, device_type)["param_dtype"])
+        export_full(model, export_dir, tokenizer, dtype)
+    else:
+        export_sharded(model, export_dir, tokenizer)
+    return export_dir
+
+
+def prepare_for_generation(model: nn.Module, tokenizer, from_scratch: bool) -> None:
+    """The KV cache back on; a model from model.config takes the tokenizer's special ids (not Llama's)."""
+    model.config.use_cache = model.generation_config.use_cache = True
+    if not from_scratch or tokenizer is None:
+        return
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(model.config, name, getattr(tokenizer, name))
+        setattr(model.generation_config, name, getattr(tokenizer, name))
+
+
+def export_full(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype) -> None:
+    # Gathered to rank 0 on CPU one tensor at a time, so no GPU ever holds the whole model.
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        tmp = f"{out_dir}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_hf_directory(model, tmp, {k: v.to(dtype) for k, v in state.items()}, tokenizer, dtype)
+        publish(tmp, out_dir)
+    dist.barrier()
+
+
+def write_hf_directory(model: nn.Module, out_dir: str, state: dict, tokenizer, dtype: torch.dtype) -> None:
+    model.save_pretrained(out_dir, state_dict=state)
+    # save_pretrained records the dtype of the model's own (fp32 master) parameters, not of `state`.
+    model.config.dtype = dtype
+    save_config(out_dir, model.config, tokenizer)
+    # safetensors arrive 0600, the rest 0644: give all the mode a plain open() would.
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(out_dir):
+        os.chmod(os.path.join(out_dir, name), 0o666 & ~umask)
+
+
+def export_sharded(model: nn.Module, out_dir: str, tokenizer) -> None:
+    tmp = f"{out_dir}.tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=tmp)
+    if dist.get_rank() == 0:
+        save_config(tmp, model.config, tokenizer)
+        publish(tmp, out_dir)
+    dist.barrier()
+
+
+def is_sharded_export(path: str) -> bool:
+    return os.path.exists(os.path.join(path, ".metadata"))
+
+
+def load_sharded_export(model: nn.Module, path: str) -> None:
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])

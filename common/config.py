@@ -60,6 +60,8 @@ class TrainConfig:
     seed: int = 0
     gradient_checkpointing: bool = False  # the HF model's own; prefer fsdp.activation_checkpointing
     compile: bool = False  # torch.compile each transformer layer
+    # The output layer and loss this many tokens at a time: no full-vocabulary logits (common/loss.py); 0: off
+    loss_chunk_tokens: int = 1024
     # Accelerate's sync_each_batch. false: reduce-scatter once per step, on the last micro-batch (fewer
     # collectives, more memory for unsharded gradients); true: after every micro-batch.
     sync_each_batch: bool = False
@@ -226,6 +228,7 @@ def _describe(hint: Any) -> str:
 # The smallest value of each numeric key.
 AT_LEAST = {"train.steps": 0, "train.global_batch_size": 1, "train.micro_batch_size": 1, "data.seq_len": 2}
 AT_LEAST.update({"train.warmup_steps": 0, "train.stop_after": 0, "checkpoint.interval": 0})
+AT_LEAST.update({"train.loss_chunk_tokens": 0})
 AT_LEAST.update({"checkpoint.keep_latest": 1, "metrics.log_every": 1})
 ABOVE_ZERO = ("train.lr", "parallelism.timeout_minutes")
 

@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from transformers.distributed.expert_parallel import AllToAllEP
 
 from common import cp
-from common.config import Config, ConfigError
+from common.config import Config, ConfigError, TrainConfig
 from common.config_sources import apply_override, load_config, run_cli
 from common.data import Batch
 from common.mesh import build_dp_mesh, build_moe_meshes, fsdp_meshes
@@ -225,7 +225,7 @@ def shard_on_meta(cfg: Config, recipe: str, world_size: int, device_type: str) -
         dense_mesh, expert_mesh = build_moe_meshes("cpu", sizes)
         experts = apply_tp_ep(model, sizes, dense_mesh, expert_mesh)
         mesh, expert_mesh = fsdp_meshes(dense_mesh, expert_mesh)
-        dp_size, moe = sizes.dp, (num_experts, aux_loss_fn)
+        dp_size, moe = sizes.dp, (num_experts, aux_loss_fn, sizes.tp)
     sharding = apply_fsdp(model, mesh, cfg.fsdp, device_type, experts=experts, expert_mesh=expert_mesh)
     micro_batch, accumulation = cfg.eval.batch_size, 1
     if recipe != "eval":
@@ -263,9 +263,10 @@ def measure(cfg: Config, recipe: str, world_size: int, device_type: str) -> dict
             optimizer = None if recipe == "eval" else build_optimizer(model, cfg, torch.device(device_type))
             tracker = FSDPMemTracker(model, optimizer)
             if recipe == "pretrain":
-                loss = lambda: script.token_loss_sum(model, batch, device, positions)  # noqa: E731
+                chunk = cfg.train.loss_chunk_tokens
+                loss = lambda: script.token_loss_sum(model, batch, device, positions, chunk)  # noqa: E731
             elif recipe == "moe":
-                loss = moe_loss(script, model, batch, built["moe"], cfg.train.router_aux_loss_coef)
+                loss = moe_loss(script, model, batch, built["moe"], cfg.train)
 
             def step():
                 if recipe == "eval":
@@ -295,11 +296,11 @@ def measure(cfg: Config, recipe: str, world_size: int, device_type: str) -> dict
     return result
 
 
-def moe_loss(script, model, batch: Batch, moe: tuple, coef: float | None):
+def moe_loss(script, model, batch: Batch, moe: tuple, t: TrainConfig):
     """finetune_moe_ep_fsdp.py's loss: cross-entropy on answer tokens plus the weighted router loss. Its
     per-expert token counts (host-side statistics) are skipped: bincount's size depends on values."""
     script.router_load = lambda logits, top_k, valid: torch.zeros(len(logits), logits[0].shape[-1])
-    loss_fn = script.MoeLoss(model, moe[1], moe[0], coef)
+    loss_fn = script.MoeLoss(model, moe[1], moe[0], t, moe[2])
 
     def loss() -> torch.Tensor:
         ce, aux, _ = loss_fn(model, batch, torch.device("cpu"))

@@ -38,6 +38,7 @@ from common import cp
 from common.config import Config, ConfigError
 from common.config_sources import parse_args, run_cli
 from common.data import build_batches
+from common.loss import chunk_logits
 from common.mesh import build_dp_mesh, gather, init_distributed, resolve_device
 from common.metrics import GIB, event_line, peak_memory_bytes, reset_peak_memory
 from common.model import build_meta_model, init_buffers, load_model_config
@@ -54,11 +55,8 @@ def head_loss(model, hidden: torch.Tensor, labels: torch.Tensor, chunk: int) -> 
     head = model.get_output_embeddings()
     owner = head if isinstance(head, FSDPModule) else model  # a tied head lives in the root unit
     owner.unshard()  # one all-gather of the head's weight for all chunks
-    hidden, labels = hidden.flatten(0, 1), labels.flatten()
     totals = torch.zeros(3, dtype=torch.float64, device=hidden.device)
-    for start in range(0, hidden.shape[0], chunk):
-        logits = F.linear(hidden[start : start + chunk], head.weight).float()
-        target = labels[start : start + chunk]
+    for _, logits, target in chunk_logits(hidden.flatten(0, 1), head.weight, labels.flatten(), chunk):
         keep = target != -100
         totals[0] += F.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
         totals[1] += keep.sum()

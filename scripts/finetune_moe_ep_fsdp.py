@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from common import loss
 from common.checkpoint import find_resume_checkpoint, load_checkpoint
 from common.config import Config, ConfigError, TrainConfig, check_batch_sizes, check_vocab_size
 from common.config_sources import parse_args, run_cli
@@ -52,11 +52,15 @@ from common.wrap import apply_fsdp, resolve_layer_classes
 class MoeLoss:
     """Token-summed cross-entropy on answer tokens, plus the model's router load-balancing loss."""
 
-    def __init__(self, model, aux_loss_fn, num_experts: int, coef: float | None):
+    def __init__(self, model, aux_loss_fn, num_experts: int, t: TrainConfig, tp: int):
         self.router_logits = RouterLogits(model)
+        # A tensor-parallel head splits the vocabulary, which the chunked loss does not (a vocab-parallel
+        # cross-entropy would): it takes full logits there.
+        self.chunk_tokens = t.loss_chunk_tokens if tp == 1 else 0
         self.aux_loss_fn, self.num_experts = aux_loss_fn, num_experts
         self.top_k = model.config.num_experts_per_tok
         # train.router_aux_loss_coef, or else the model config's own
+        coef = t.router_aux_loss_coef
         self.coef = getattr(model.config, "router_aux_loss_coef", 0.0) if coef is None else coef
 
     def __call__(self, model, batch: Batch, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -65,16 +69,15 @@ class MoeLoss:
         # Restarting position ids and no attention mask make Transformers build a per-example causal mask
         # (packing); a KV cache would switch that detection off.
         self.router_logits.take()  # drop what an activation-checkpointing recompute left behind
-        logits = model(
-            input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device), use_cache=False
-        ).logits
-        router_logits = self.router_logits.take()
-        ce = F.cross_entropy(
-            logits.float().flatten(0, 1),
-            batch.labels.to(device).flatten(),
-            ignore_index=-100,
-            reduction="sum",
+        ce = loss.token_loss_sum(
+            model,
+            batch.labels.to(device),
+            self.chunk_tokens,
+            input_ids=batch.input_ids.to(device),
+            position_ids=batch.position_ids.to(device),
+            use_cache=False,
         )
+        router_logits = self.router_logits.take()
         aux = self.aux_loss_fn(router_logits, self.num_experts, self.top_k, mask)
         return ce, aux, router_load(router_logits, self.top_k, mask)
 
@@ -206,13 +209,14 @@ def main(argv: list[str] | None = None) -> None:
     else:
         load_or_init_weights(model, cfg, hf_config.initializer_range)
     model.train()
-    loss_fn = MoeLoss(model, aux_loss_fn, num_experts, t.router_aux_loss_coef)
+    loss_fn = MoeLoss(model, aux_loss_fn, num_experts, t, sizes.tp)
 
     logger = MetricsLogger(cfg, d.is_main)
     layout = dict(
         experts=num_experts,
         expert_layout_per_rank=gather(expert_layout(experts)),
         router_aux_loss_coef=loss_fn.coef,
+        loss_chunk_tokens=loss_fn.chunk_tokens,
         resumed_from=resume_from,
         start_step=start_step,
     )

@@ -16,11 +16,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from common import cp
+from common import cp, loss
 from common.checkpoint import find_resume_checkpoint, load_checkpoint
-from common.config import Config, check_batch_sizes, check_vocab_size
+from common.config import Config, TrainConfig, check_batch_sizes, check_vocab_size
 from common.config_sources import parse_args, run_cli
 from common.data import Batch, build_batches
 from common.lifecycle import Bookkeeping, check_shared_storage
@@ -41,10 +40,15 @@ from common.wrap import apply_fsdp, resolve_layer_classes
 
 
 def token_loss_sum(
-    model: torch.nn.Module, batch: Batch, device: torch.device, cp_positions: torch.Tensor | None
+    model: torch.nn.Module,
+    batch: Batch,
+    device: torch.device,
+    cp_positions: torch.Tensor | None,
+    chunk_tokens: int,
 ) -> torch.Tensor:
     """Summed token loss; with context parallelism, over this rank's positions of each sequence only.
-    With data.document_mask the batch's position ids restart per document, which keeps attention inside it."""
+    With data.document_mask the batch's position ids restart per document, which keeps attention inside it.
+    The output layer and loss run chunk_tokens tokens at a time (common/loss.py)."""
     input_ids, labels = batch.input_ids.to(device), batch.labels.to(device)
     position_ids = None if batch.position_ids is None else batch.position_ids.to(device)
     if cp_positions is not None:  # labels were shifted on the full row; everything is sharded the same way
@@ -54,18 +58,11 @@ def token_loss_sum(
             if position_ids is None
             else (position_ids[:, cp_positions])
         )
-    logits = model(input_ids=input_ids, position_ids=position_ids).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    return loss.token_loss_sum(model, labels, chunk_tokens, input_ids=input_ids, position_ids=position_ids)
 
 
 def train_step(
-    model,
-    optimizer,
-    micro_batches,
-    device,
-    max_grad_norm: float,
-    cp_positions: torch.Tensor | None,
-    sync_each_batch: bool,
+    model, optimizer, micro_batches, device, cp_positions: torch.Tensor | None, t: TrainConfig
 ) -> dict:
     """One optimizer step over this rank's micro-batches: mean token loss, grad norm, tokens.
 
@@ -82,11 +79,11 @@ def train_step(
     dist.all_reduce(global_tokens)
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     for i, batch in enumerate(micro_batches):
-        model.set_requires_gradient_sync(sync_each_batch or i == len(micro_batches) - 1)
-        loss = token_loss_sum(model, batch, device, cp_positions)
-        (loss / global_tokens.float()).backward()
-        loss_sum += loss.detach()
-    grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)
+        model.set_requires_gradient_sync(t.sync_each_batch or i == len(micro_batches) - 1)
+        summed = token_loss_sum(model, batch, device, cp_positions, t.loss_chunk_tokens)
+        (summed / global_tokens.float()).backward()
+        loss_sum += summed.detach()
+    grad_norm = clip_grad_norm_(model.parameters(), t.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     dist.all_reduce(loss_sum)
@@ -98,12 +95,12 @@ def train_step(
 
 
 @torch.no_grad()
-def fixed_batch_loss(model, batch, device, cp_positions: torch.Tensor | None) -> float:
+def fixed_batch_loss(model, batch, device, cp_positions: torch.Tensor | None, chunk_tokens: int) -> float:
     """Mean token loss on a fixed batch (the first rows of the data), to check exports against."""
-    loss = token_loss_sum(model, batch, device, cp_positions)
+    summed = token_loss_sum(model, batch, device, cp_positions, chunk_tokens)
     if cp_positions is not None:
-        dist.all_reduce(loss, group=cp.CP["group"])  # each cp rank scored its own positions
-    return (loss / (batch.labels != -100).sum()).item()
+        dist.all_reduce(summed, group=cp.CP["group"])  # each cp rank scored its own positions
+    return (summed / (batch.labels != -100).sum()).item()
 
 
 def check_config(cfg: Config, world_size: int) -> tuple[int, int, int]:
@@ -167,9 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     with Bookkeeping(cfg, logger, start_step, d.device, timer, **parts) as book:
         for step in range(start_step + 1, t.steps + 1):
             micro_batches = data.micro_batches(samples)
-            result = train_step(
-                model, optimizer, micro_batches, d.device, t.max_grad_norm, cp_positions, t.sync_each_batch
-            )
+            result = train_step(model, optimizer, micro_batches, d.device, cp_positions, t)
             samples += t.global_batch_size
             stats = {**result, "lr": scheduler.get_last_lr()[0], "samples": samples}
             if cfg.metrics.sample_ids:
@@ -183,7 +178,9 @@ def main(argv: list[str] | None = None) -> None:
         final = final_record(model, optimizer, d.device)  # training's peak memory, every rank
         if not cfg.data.streaming:
             fixed = data.fixed_batch(t.micro_batch_size)
-            final["fixed_batch_loss"] = fixed_batch_loss(model, fixed, d.device, cp_positions)
+            final["fixed_batch_loss"] = fixed_batch_loss(
+                model, fixed, d.device, cp_positions, t.loss_chunk_tokens
+            )
         logger.log(final)
         if cfg.checkpoint.export:
             path = export_final(model, cfg, tokenizer, d.device.type)

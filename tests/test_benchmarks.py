@@ -18,6 +18,7 @@ from launch import REPO, env, free_port
         ["moe_ep.py", "--tiny"],
         ["cp_memory.py", "--tiny"],
         ["roofline.py", "--tiny"],
+        ["loss_chunks.py", "--tiny"],
         ["vs_trainer.py", "--tiny"],
         ["gpu_bench.py", "{tmp}", "--tiny"],
     ],

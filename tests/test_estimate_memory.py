@@ -157,13 +157,15 @@ def test_qwen3_moe_at_world_16_builds_shards_and_steps():
 
 
 def test_mixtral_at_world_16_builds_shards_and_steps():
-    """configs/mixtral.json at real size: Mixtral-8x7B (47B), one expert per rank (ep 8), 16 GPUs."""
+    """configs/mixtral.json at real size: Mixtral-8x7B (47B), 2 nodes x 8 GPUs of 80 GiB. One expert per
+    rank (ep 8), FSDP over the 2 ranks that hold it: each holds half of each of its expert's weights."""
     report = estimate(os.path.join(REPO, "configs", "mixtral.json"), 16, "--quick", device="cuda")
     params = 46_702_792_704
     assert report["recipe"] == "moe" and report["params"] == params
-    assert (
-        report["state_bytes_per_rank"] == [{"param_bytes": params // 4, "optimizer_bytes": params // 2}] * 16
-    )
+    # Every rank a sixteenth, up to FSDP's padding (before: 22.9 GB on 8 ranks, 0.4 GB on the other 8).
+    held = [state["param_bytes"] for state in report["state_bytes_per_rank"]]
+    assert held == pytest.approx([params * 4 / 16] * 16, rel=1e-4), held
+    assert report["fits"]
 
 
 def test_bad_world_size_is_one_line_with_exit_code_2():

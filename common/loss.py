@@ -63,7 +63,10 @@ def token_loss_sum(model: nn.Module, labels: torch.Tensor, chunk_tokens: int, **
     """The model's cross-entropy summed over tokens (label -100: none). With chunk_tokens > 0 the output
     layer computes it inside its own forward, `chunk_tokens` tokens at a time, so FSDP all-gathers its
     weight once per micro-batch, as for the plain layer. 0: full logits, then the loss."""
-    if not chunk_tokens:
+    # Models that transform the head's output (Gemma's soft-capping, Cohere's logit scale) would apply that
+    # to the loss: they take full logits.
+    transforms = any(getattr(model.config, key, None) for key in ("final_logit_softcapping", "logit_scale"))
+    if not chunk_tokens or transforms:
         logits = model(**inputs).logits
         return F.cross_entropy(
             logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
@@ -73,9 +76,14 @@ def token_loss_sum(model: nn.Module, labels: torch.Tensor, chunk_tokens: int, **
         _compute_loss_in(head)
     head.loss_labels = SimpleNamespace(labels=labels.flatten(), chunk=chunk_tokens)
     try:
-        return model(**inputs).logits  # the summed loss: Transformers passes on what the head returns
+        summed = model(**inputs).logits  # the summed loss: Transformers passes on what the head returns
     finally:
         head.loss_labels = None
+    if summed.dim() != 0:  # a model that reshapes its head's output: never a silently wrong loss
+        raise RuntimeError(
+            f"{type(model).__name__} reshapes its output layer's result; set train.loss_chunk_tokens=0"
+        )
+    return summed
 
 
 def _compute_loss_in(head: nn.Module) -> None:

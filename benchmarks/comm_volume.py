@@ -7,8 +7,9 @@ padding shows) with `metrics.comm_stats=true` on 2 and 4 CPU ranks, reshard_afte
 compares the all-gather and reduce-scatter bytes of the last step with
 
     Psi = sum over parameters of ceil(dim0 / W) * W * prod(other dims) * bytes per element  (dim 0 padded)
-    all-gather     = (2 if reshard_after_forward else 1) * k * Psi    (k = micro-batches per step; forward,
-                                                                      and again in backward)
+    all-gather     = k * (2 Psi - Psi_kept) with reshard_after_forward, k * Psi without  (k = micro-batches
+                     per step; forward, and again in backward except the units backward needs first, the
+                     last decoder layer and the output layer, whose padded bytes are Psi_kept)
     reduce-scatter = Psi          (once per step, on the last micro-batch; k * Psi with train.sync_each_batch)
 
 Prints a markdown table; the ratios should be 1.00.
@@ -33,19 +34,26 @@ OVERRIDES = [
 ]
 
 
-def padded_param_bytes(world: int, element_size: int = 4) -> int:
+def padded_param_bytes(world: int, element_size: int = 4) -> tuple[int, int]:
+    """Psi, and the part of it in the units kept all-gathered after forward (common/wrap.py)."""
     from transformers import LlamaConfig
 
     from common.config_sources import load_config
     from common.model import build_meta_model
+    from common.wrap import needed_first_in_backward, plan_units, resolve_layer_classes
 
     cfg = load_config(TINY, OVERRIDES)
     model = build_meta_model(LlamaConfig(**cfg.model.config), cfg.model)
-    total = 0
+    layer_classes = resolve_layer_classes(model, cfg.fsdp)
+    kept = needed_first_in_backward(model, plan_units(model, cfg.fsdp, layer_classes), layer_classes)
+    kept_params = {id(p) for unit in kept for module in unit for p in module.parameters()}
+    total = kept_total = 0
     for param in model.parameters():
         dim0 = math.ceil(param.shape[0] / world) * world
-        total += dim0 * math.prod(param.shape[1:]) * element_size
-    return total
+        size = dim0 * math.prod(param.shape[1:]) * element_size
+        total += size
+        kept_total += size if id(param) in kept_params else 0
+    return total, kept_total
 
 
 def measure(world: int, reshard: bool, steps: int) -> dict:
@@ -68,11 +76,11 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     for world in (2,) if args.tiny else (2, 4):  # --tiny: one of each code path
-        psi = padded_param_bytes(world)
+        psi, psi_kept = padded_param_bytes(world)
         k = 8 // (2 * world)  # global batch 8, micro-batch 2
         for reshard in (True, False):
             r = measure(world, reshard, args.steps)
-            ag_theory = (2 if reshard else 1) * k * psi
+            ag_theory = k * (2 * psi - psi_kept if reshard else psi)
             rs_theory = psi  # once per step, on the last micro-batch (train.sync_each_batch=false)
             print(
                 f"| {world} | {reshard} | {r['all_gather_bytes'] / 1e6:.3f} | {ag_theory / 1e6:.3f} | "

@@ -1,11 +1,14 @@
 """This machine's limits, and how close pretrain_fsdp.py gets to them, measured in one run.
 
-    python benchmarks/roofline.py [--steps 8] [--layers 12] [--micro-batch 2] [--extra key=value ...] [--tiny]
+    python benchmarks/roofline.py [--steps 8] [--layers 12] [--micro-batch 2] [--extra key=value ...] [--bf16]
+                                [--tiny]
 
-1. Roofline. Matmul peak: the best of several large square torch.mm, fp32 on one CPU thread (what each
-   OMP_NUM_THREADS=1 rank gets) or bf16 on a GPU. Collective bandwidth: all-gather and reduce-scatter of a
-   64 MiB tensor between 2 ranks (gloo on CPU, NCCL on GPUs), in bytes of the full tensor per second, the unit
-   in which metrics.comm_stats counts FSDP's traffic.
+1. Roofline. Matmul peak: n x n torch.mm on one CPU thread (what each OMP_NUM_THREADS=1 rank gets), fp32 and
+   bf16, 5 timed calls per size after a warm-up, into a preallocated output; alone, and on both cores at once
+   (2 processes, as the 2 training ranks run). MFU's peak is the best sample with both cores busy, of the
+   run's dtype (--bf16: bf16 parameters, fp32 reduction); on a GPU, bf16. Collective bandwidth: all-gather
+   and reduce-scatter of a 64 MiB tensor between 2 ranks (gloo on CPU, NCCL on GPUs), in bytes of the full
+   tensor per second, the unit in which metrics.comm_stats counts FSDP's traffic.
 2. The recipe. pretrain_fsdp.py trains a ~100M-parameter Llama (hidden 768, MLP 3072, 12 layers, 12 heads,
    seq 512, vocab 32000) on 2 ranks, --micro-batch sequences per rank per step, with metrics.peak_flops set to
    the measured peak, so its MFU is against this machine: MFU = tokens/s x flops_per_token / (peak x ranks),
@@ -34,26 +37,53 @@ from tests.launch import run_command, run_recipe, steady_step
 COLLECTIVE_BYTES = 64 * 2**20
 
 
-def matmul_peak(device: torch.device, tiny: bool = False) -> float:
-    """FLOP/s of the best n x n matmul: fp32 on one CPU thread, bf16 on a GPU."""
-    dtype, sizes = (
-        (torch.bfloat16, (4096, 8192)) if device.type == "cuda" else (torch.float32, (512, 1024, 2048))
-    )
-    sizes = (256,) if tiny else sizes
-    best = 0.0
+def matmul_flops(
+    device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...], repeats: int
+) -> list[float]:
+    """FLOP/s of `repeats` timed n x n matmuls per size, each after an untimed one (first touch of the
+    output, kernel choice) and into a preallocated output, as a training step's steady state is."""
+    samples = []
     for n in sizes:
-        a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-        for _ in range(3):
+        a, b, out = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(3))
+        torch.mm(a, b, out=out)
+        calls = max(1, int(2e10 // (2 * n**3)))  # about 20 GFLOP per sample
+        for _ in range(repeats):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            repeats = 1 if tiny else max(1, int(2e10 // (2 * n**3)))
-            for _ in range(repeats):
-                torch.mm(a, b)
+            for _ in range(calls):
+                torch.mm(a, b, out=out)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            best = max(best, repeats * 2 * n**3 / (time.perf_counter() - start))
-    return best
+            samples.append(calls * 2 * n**3 / (time.perf_counter() - start))
+    return samples
+
+
+def peak_plan(device: torch.device, tiny: bool) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    if tiny:
+        return [(torch.float32, (128,))]
+    if device.type == "cuda":
+        return [(torch.bfloat16, (4096, 8192))]
+    return [(torch.float32, (1024, 2048, 3072)), (torch.bfloat16, (1024, 2048, 3072))]
+
+
+def matmul_peaks_busy(tiny: bool) -> None:
+    """Under torchrun: every rank measures at once, one thread each, as the training ranks share the cores;
+    rank 0 prints every rank's samples (JSON)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    results = {}
+    for dtype, sizes in peak_plan(torch.device("cpu"), tiny):
+        dist.barrier()
+        mine = matmul_flops(torch.device("cpu"), dtype, sizes, 1 if tiny else 5)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        results[str(dtype).removeprefix("torch.")] = [x for rank in every for x in rank]
+    if dist.get_rank() == 0:
+        print(json.dumps(results), flush=True)
+    dist.destroy_process_group()
 
 
 def collective_bandwidth(num_bytes: int) -> None:
@@ -86,19 +116,25 @@ def collective_bandwidth(num_bytes: int) -> None:
     dist.destroy_process_group()
 
 
-def measure_bandwidth(world: int, tiny: bool) -> dict:
+def on_two_ranks(flag: str, tiny: bool) -> dict:
+    """Run this file with `flag` on 2 ranks; rank 0's JSON line."""
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
-        f"--nproc_per_node={world}",
+        "--nproc_per_node=2",
         os.path.abspath(__file__),
-        "--collectives",
+        flag,
         *(["--tiny"] if tiny else []),
     ]
     out = run_command(cmd, timeout=3600)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def spread(samples: list[float]) -> str:
+    ordered = sorted(samples)
+    return " / ".join(f"{x / 1e9:,.1f}" for x in (ordered[0], ordered[len(ordered) // 2], ordered[-1]))
 
 
 def main() -> None:
@@ -111,23 +147,47 @@ def main() -> None:
     parser.add_argument(
         "--extra", nargs="*", default=[], help="more pretrain_fsdp.py overrides, e.g. train.compile=true"
     )
+    parser.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 reduction; the bf16 peak")
     parser.add_argument("--tiny", action="store_true", help="small sizes: checks that the benchmark runs")
     parser.add_argument("--collectives", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--matmuls", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.collectives:
         return collective_bandwidth(2**16 if args.tiny else COLLECTIVE_BYTES)
+    if args.matmuls:
+        return matmul_peaks_busy(args.tiny)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(1)
-    peak = matmul_peak(device, args.tiny)
-    bandwidth = measure_bandwidth(2, args.tiny)
-    unit = "GPU (bf16)" if device.type == "cuda" else "core (fp32, 1 thread)"
-    print("| matmul peak per " + unit + " | all-gather GB/s | reduce-scatter GB/s |\n|---|---|---|")
+    repeats = 1 if args.tiny else 5
+    plan = peak_plan(device, args.tiny)
+    alone = {str(dtype).removeprefix("torch."): matmul_flops(device, dtype, n, repeats) for dtype, n in plan}
+    busy = on_two_ranks("--matmuls", args.tiny) if device.type == "cpu" else alone
+    print(
+        "| n x n torch.mm, 1 thread per core | sizes | alone: min / median / best GFLOP/s "
+        "| both cores busy: min / median / best |\n|---|---|---|---|"
+    )
+    for dtype, sizes in plan:
+        name = str(dtype).removeprefix("torch.")
+        print(f"| {name} | {', '.join(map(str, sizes))} | {spread(alone[name])} | {spread(busy[name])} |")
+    # MFU's denominator: the best a core did while the other was busy too, as in training.
+    dtype = "bfloat16" if args.bf16 or device.type == "cuda" else "float32"
+    peak = max(busy.get(dtype) or busy["float32"])
+    bandwidth = on_two_ranks("--collectives", args.tiny)
+    print(
+        "\n| matmul peak per " + ("GPU" if device.type == "cuda" else "core") + f" ({dtype}) "
+        "| all-gather GB/s | reduce-scatter GB/s |\n|---|---|---|"
+    )
     print(
         f"| {peak / 1e9:,.1f} GFLOP/s | {bandwidth['all_gather'] / 1e9:.2f} | "
         f"{bandwidth['reduce_scatter'] / 1e9:.2f} |\n",
         flush=True,
     )
+    if args.bf16:
+        args.extra = [
+            *args.extra,
+            'fsdp.mixed_precision={"param_dtype": "bfloat16", "reduce_dtype": "float32"}',
+        ]
 
     model = [
         "model.config.hidden_size=768",
@@ -166,7 +226,7 @@ def main() -> None:
         "| compute-only step s (1 rank) "
         "| step / compute-only | comm bytes / bandwidth, s |\n|---|---|---|---|---|---|---|---|"
     )
-    setting = " ".join([f"micro-batch {args.micro_batch}", *args.extra])
+    setting = " ".join([f"micro-batch {args.micro_batch}", *(["bf16"] if args.bf16 else []), *args.extra])
     print(
         f"| {setting} | {ready['params'] / 1e6:.0f}M | {step2['tokens_per_s']:,.0f} | "
         f"{step2['mfu']:.1%} | {step_time:.2f} | {compute_time:.2f} | {step_time / compute_time:.2f} | "

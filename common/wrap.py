@@ -110,6 +110,22 @@ def plan_units(
     return units
 
 
+def needed_first_in_backward(model: nn.Module, units: list[list[nn.Module]], layer_classes: set[str]):
+    """torchtitan's rule: backward starts with the output layer and then the last transformer layer, so
+    resharding them after forward frees what is all-gathered again at once. Only a TRANSFORMER_BASED_WRAP
+    plan knows which units those are."""
+    layers = [unit for unit in units if _layer_name(unit[0]) in layer_classes]
+    head = model.get_output_embeddings()
+    return [unit for unit in units if (layers and unit is layers[-1]) or any(m is head for m in unit)]
+
+
+def _unit_parameters(units: list[list[nn.Module]], experts: list[nn.Module]) -> list[nn.Parameter]:
+    """The parameters these units all-gather (experts are units of their own)."""
+    own = {id(p) for m in experts for p in m.parameters()}
+    params = {id(p): p for unit in units for m in unit for p in m.parameters() if id(p) not in own}
+    return list(params.values())
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -118,8 +134,10 @@ def apply_fsdp(
     compile_layers: bool = False,
     experts: list[nn.Module] = (),
     expert_mesh: DeviceMesh | None = None,
+    training: bool = True,
 ) -> dict:
-    """Shard `model` in place, each of `experts` as a unit on `expert_mesh`; returns counts for the log."""
+    """Shard `model` in place, each of `experts` as a unit on `expert_mesh`; returns counts for the log.
+    `training=False` (forward only) reshards every unit after forward, as the key says."""
     layer_classes = resolve_layer_classes(model, fsdp)
     if fsdp.activation_checkpointing:
         # Non-reentrant AC per layer, before fully_shard so FSDP's hooks see the wrapper.
@@ -148,13 +166,38 @@ def apply_fsdp(
     for module in experts:
         fully_shard(module, mesh=expert_mesh, shard_placement_fn=split_experts_over(expert_mesh), **kwargs)
     units = plan_units(model, fsdp, layer_classes, set(experts))
+    kept = []
+    if (
+        training
+        and fsdp.auto_wrap_policy == "TRANSFORMER_BASED_WRAP"
+        and fsdp.reshard_after_forward is not False
+    ):
+        kept = needed_first_in_backward(model, units, layer_classes)
     for unit in units:
-        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, **kwargs)
-    fully_shard(model, mesh=mesh, **kwargs)
+        reshard = False if unit in kept else fsdp.reshard_after_forward
+        fully_shard(
+            unit if len(unit) > 1 else unit[0], mesh=mesh, **dict(kwargs, reshard_after_forward=reshard)
+        )
+    # The root's parameters (tied embeddings, say) are the first that backward needs.
+    root_reshard = False if training else fsdp.reshard_after_forward
+    fully_shard(model, mesh=mesh, **dict(kwargs, reshard_after_forward=root_reshard))
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # The loss is already divided by the global token count, so gradients must be summed, not
             # averaged. Forcing SUM also avoids PREMUL_SUM/AVG, which gloo lacks.
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
-    return {"fsdp_units": len(experts) + len(units) + 1, "compiled_layers": compiled}
+    return {
+        "fsdp_units": len(experts) + len(units) + 1,
+        "compiled_layers": compiled,
+        "units_kept_after_forward": len(kept),
+        "params_kept_after_forward": sum(p.numel() for p in _unit_parameters(kept, experts)),
+    }
+
+
+def reshard(model: nn.Module) -> None:
+    """Free what forward left all-gathered. Units kept unsharded after forward are freed by backward; after a
+    forward under no_grad their unsharded parameters stay registered, which DCP and exports must not see."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

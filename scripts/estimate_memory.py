@@ -226,7 +226,10 @@ def shard_on_meta(cfg: Config, recipe: str, world_size: int, device_type: str) -
         experts = apply_tp_ep(model, sizes, dense_mesh, expert_mesh)
         mesh, expert_mesh = fsdp_meshes(dense_mesh, expert_mesh)
         dp_size, moe = sizes.dp, (num_experts, aux_loss_fn, sizes.tp)
-    sharding = apply_fsdp(model, mesh, cfg.fsdp, device_type, experts=experts, expert_mesh=expert_mesh)
+    training = recipe != "eval"  # a forward-only run reshards every unit after forward
+    sharding = apply_fsdp(
+        model, mesh, cfg.fsdp, device_type, experts=experts, expert_mesh=expert_mesh, training=training
+    )
     micro_batch, accumulation = cfg.eval.batch_size, 1
     if recipe != "eval":
         micro_batch, accumulation = t.micro_batch_size, t.global_batch_size // (t.micro_batch_size * dp_size)
@@ -493,6 +496,7 @@ def main(argv: list[str] | None = None) -> None:
         "state_bytes_per_rank": states,
         "max_micro_batch_size": result["max_micro_batch_size"],
         "fsdp_units": result["fsdp_units"],
+        "params_kept_after_forward": result["params_kept_after_forward"],
         "params": result["params"],
         "comm_bytes_per_step": result["comm_bytes_per_step"],
     }

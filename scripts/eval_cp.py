@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer, data = build_batches(cfg.data, cfg.train.seed, **whole)
 
     # Weights sharded over every rank (dp x cp), as Accelerate does; loaded exactly like pretrain_fsdp.py.
-    apply_fsdp(model, build_dp_mesh(d.device.type, 1, d.world_size), cfg.fsdp, d.device.type)
+    apply_fsdp(model, build_dp_mesh(d.device.type, 1, d.world_size), cfg.fsdp, d.device.type, training=False)
     model.to_empty(device=torch.device("cpu") if cfg.fsdp.cpu_offload else d.device)
     init_buffers(model, d.device)
     if is_sharded_export(cfg.model.name_or_path):  # a SHARDED export or a training checkpoint: both are DCP

@@ -16,9 +16,12 @@ def test_reshard_after_forward_false_skips_the_backward_all_gather(tmp_path):
     ready = event(on, "model_ready")
     param_bytes = ready["params"] * 4  # fp32, and these shapes need no padding over 2 ranks
     units_with_params = ready["fsdp_units"] - 1  # the Llama root owns no parameter of its own
-    for r in steps(on):  # forward + backward all-gather of every unit: about 2 x params
-        assert r["all_gather_calls"] == 2 * units_with_params
-        assert r["all_gather_bytes"] == 2 * param_bytes
+    # Backward starts with the output layer and the last decoder layer: those stay all-gathered after forward.
+    kept_units, kept_bytes = ready["units_kept_after_forward"], ready["params_kept_after_forward"] * 4
+    assert kept_units == 2 and 0 < kept_bytes < param_bytes
+    for r in steps(on):  # forward + backward all-gather of every other unit
+        assert r["all_gather_calls"] == 2 * units_with_params - kept_units
+        assert r["all_gather_bytes"] == 2 * param_bytes - kept_bytes
         assert r["reduce_scatter_bytes"] == param_bytes
     for r in steps(off):  # parameters kept from forward to backward: one all-gather
         assert r["all_gather_calls"] == units_with_params
@@ -36,10 +39,12 @@ def test_gradients_are_reduce_scattered_once_per_step_unless_sync_each_batch(tmp
     once = pretrain(tmp_path / "once", *two_micro)  # 8 sequences / 2 ranks / micro-batch 2: 2 micro-batches
     each = pretrain(tmp_path / "each", *two_micro, "train.sync_each_batch=true")
     assert losses(once) == pytest.approx(losses(each), abs=1e-6)
-    param_bytes = event(once, "model_ready")["params"] * 4
+    ready = event(once, "model_ready")
+    param_bytes, kept_bytes = ready["params"] * 4, ready["params_kept_after_forward"] * 4
     assert all(r["reduce_scatter_bytes"] == param_bytes for r in steps(once))
     assert all(r["reduce_scatter_bytes"] == 2 * param_bytes for r in steps(each))
-    assert all(r["all_gather_bytes"] == 2 * 2 * param_bytes for r in steps(once) + steps(each))
+    per_micro_batch = 2 * param_bytes - kept_bytes
+    assert all(r["all_gather_bytes"] == 2 * per_micro_batch for r in steps(once) + steps(each))
 
 
 BIG_ACTIVATIONS = [

@@ -6,12 +6,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig
 
 from common.config import ConfigError, FsdpConfig, ModelConfig
 from common.mesh import build_dp_mesh
 from common.model import build_meta_model
-from common.wrap import apply_fsdp
+from common.wrap import apply_fsdp, reshard
 
 LAYERS = 3
 
@@ -36,9 +37,32 @@ def tiny_llama(tie: bool = False) -> nn.Module:
     return build_meta_model(config, ModelConfig())
 
 
-def shard(model: nn.Module, **fsdp_keys) -> nn.Module:
-    apply_fsdp(model, build_dp_mesh("cpu", 1, 1), FsdpConfig(**fsdp_keys), "cpu")
+def shard(model: nn.Module, training: bool = True, **fsdp_keys) -> nn.Module:
+    apply_fsdp(model, build_dp_mesh("cpu", 1, 1), FsdpConfig(**fsdp_keys), "cpu", training=training)
     return model
+
+
+def all_gathered_after_a_forward(model: nn.Module) -> list[str]:
+    """Names of the parameters left unsharded by a forward under no_grad (no backward to free them)."""
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+    return sorted(name for name, param in model.named_parameters() if not isinstance(param, DTensor))
+
+
+def test_the_units_backward_needs_first_stay_all_gathered_until_resharded():
+    model = shard(tiny_llama())
+    kept = all_gathered_after_a_forward(model)
+    last = f"model.layers.{LAYERS - 1}."
+    assert kept and all(name.startswith((last, "model.norm.", "lm_head.")) for name in kept)
+    assert {"lm_head.weight", "model.norm.weight", f"{last}mlp.up_proj.weight"} <= set(kept)
+    reshard(model)  # what the scripts do after an evaluation: DCP and exports must see sharded parameters
+    assert all(isinstance(param, DTensor) for param in model.parameters())
+    # Forward-only runs (eval_cp.py) and reshard_after_forward=false follow the key for every unit.
+    assert all_gathered_after_a_forward(shard(tiny_llama(), training=False)) == []
+    assert len(all_gathered_after_a_forward(shard(tiny_llama(), reshard_after_forward=False))) == len(
+        list(tiny_llama().parameters())
+    )
 
 
 def units(model: nn.Module) -> list[list[str]]:

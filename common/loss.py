@@ -37,18 +37,21 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden, dtype=torch.float32) if with_grads else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if with_grads else None
         for rows, logits, target in chunk_logits(hidden, weight, labels, chunk):
-            # The loss as log-sum-exp minus the label's logit, and then the softmax in place, so a chunk
-            # takes two logits-sized buffers (logits, logsumexp's), not F.cross_entropy's three.
+            # The loss is log-sum-exp minus the label's logit, and the softmax is built in the logits' own
+            # buffer: one logits-sized buffer per chunk, and no hidden temporaries that the planner's fake
+            # tensors would miss (logsumexp's kernel makes one; F.cross_entropy holds a log-softmax).
             keep = (target != -100).unsqueeze(1)
-            log_sum_exp = logits.logsumexp(dim=-1, keepdim=True)
             picked = logits.gather(1, target.clamp(min=0).unsqueeze(1))
-            total += (log_sum_exp - picked).masked_fill_(~keep, 0).sum()
+            maxes = logits.amax(dim=-1, keepdim=True)
+            exp = logits.sub_(maxes).exp_()
+            del logits
+            sum_exp = exp.sum(dim=-1, keepdim=True)
+            total += (sum_exp.log() + maxes - picked).masked_fill_(~keep, 0).sum()
             if not with_grads:
                 continue
             # d(loss)/d(logits) = softmax - one_hot(label), zero for ignored tokens; no data-dependent
             # shapes, so the planner's fake tensors run it.
-            grad_logits = logits.sub_(log_sum_exp).exp_()
-            del logits
+            grad_logits = exp.div_(sum_exp)
             grad_logits.scatter_add_(1, target.clamp(min=0).unsqueeze(1), -keep.to(grad_logits.dtype))
             grad_logits = grad_logits.mul_(keep).to(hidden.dtype)
             grad_hidden[rows] = grad_logits @ weight

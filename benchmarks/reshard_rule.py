@@ -30,17 +30,10 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.vs_trainer import MODEL as BODY
 from tests.launch import TINY, read_metrics, run, steady_step, steps, torchrun
 
-MODEL = {
-    "vocab_size": 32000,
-    "hidden_size": 512,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 8,
-    "max_position_embeddings": 512,
-}
+MODEL = dict(BODY, vocab_size=32000)
 VARIANTS = {
     "every unit resharded": [],
     "default (last layer, output layer kept)": [],

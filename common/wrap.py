@@ -174,9 +174,9 @@ def apply_fsdp(
     ):
         kept = needed_first_in_backward(model, units, layer_classes)
     for unit in units:
-        reshard = False if unit in kept else fsdp.reshard_after_forward
+        after_forward = False if unit in kept else fsdp.reshard_after_forward
         fully_shard(
-            unit if len(unit) > 1 else unit[0], mesh=mesh, **dict(kwargs, reshard_after_forward=reshard)
+            unit if len(unit) > 1 else unit[0], mesh=mesh, **dict(kwargs, reshard_after_forward=after_forward)
         )
     # The root's parameters (tied embeddings, say) are the first that backward needs.
     root_reshard = False if training else fsdp.reshard_after_forward

@@ -3,7 +3,7 @@
     python benchmarks/vs_trainer.py [--repeats 3] [--steps 30] [--vocab 4096] [--seq 512] [--global-batch 8]
                                     [--budget-gib 0] [--tiny]
 
-Both train the same Llama body (hidden 512, MLP 1536, 8 layers, 8 heads: 25M parameters) with a `--vocab`
+Both train the same Llama body (hidden 512, MLP 1536, 8 layers, 8 heads: 27M parameters) with a `--vocab`
 output layer, at `--seq`, on the same rows of the embedded corpus, with the same global batch (2 ranks x
 micro-batch 2 x accumulation), AdamW settings, schedule, clipping and number of steps
 (benchmarks/trainer_baseline.py says how, and what it took to make the Trainer really run FSDP2 on CPU; it

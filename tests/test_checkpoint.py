@@ -246,7 +246,9 @@ import torch.distributed as dist
 from common.checkpoint import find_resume_checkpoint
 dist.init_process_group("gloo")
 run_dir = sys.argv[1] if dist.get_rank() == 0 else sys.argv[2]
-print(f"rank {{dist.get_rank()}} resumes from {{find_resume_checkpoint(run_dir, 'auto')}}", flush=True)
+# One write(2) per line: both ranks share the pipe, and print() under PYTHONUNBUFFERED writes the text and its
+# newline separately, so two ranks' lines could interleave. A pipe write under PIPE_BUF bytes is atomic.
+os.write(1, f"rank {{dist.get_rank()}} resumes from {{find_resume_checkpoint(run_dir, 'auto')}}\\n".encode())
 dist.destroy_process_group()
 """
 
@@ -296,7 +298,7 @@ def test_two_nodes_with_their_own_home_share_only_the_checkpoint_dir(tmp_path):
 
 # Each rank seeds its own RNG, checkpoints, draws, scrambles, resumes and draws again.
 PER_RANK_RNG = f"""
-import sys
+import os, sys
 sys.path.insert(0, {REPO!r})
 import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
@@ -314,7 +316,8 @@ path = save_checkpoint(sys.argv[1], 1, model, optimizer, {{"scheduler": schedule
 expected = torch.rand(4)
 torch.manual_seed(12345)
 load_checkpoint(path, model, optimizer, scheduler)
-print(f"rank {{rank}} restored its own RNG: {{torch.equal(torch.rand(4), expected)}}", flush=True)
+restored = torch.equal(torch.rand(4), expected)
+os.write(1, f"rank {{rank}} restored its own RNG: {{restored}}\\n".encode())  # one atomic write, as above
 dist.destroy_process_group()
 """
 

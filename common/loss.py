@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.wrap import reshard
+
 
 def chunk_logits(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int
@@ -80,6 +82,14 @@ def token_loss_sum(model: nn.Module, labels: torch.Tensor, chunk_tokens: int, **
     # Models that transform the head's output (Gemma's soft-capping, Cohere's logit scale) would apply that
     # to the loss: they take full logits.
     transforms = any(getattr(model.config, key, None) for key in ("final_logit_softcapping", "logit_scale"))
+    summed = _loss_sum(model, labels, chunk_tokens, transforms, **inputs)
+    if not torch.is_grad_enabled():
+        # Evaluation: no backward will free the units kept all-gathered after forward (common/wrap.py).
+        reshard(model)
+    return summed
+
+
+def _loss_sum(model: nn.Module, labels: torch.Tensor, chunk_tokens: int, transforms: bool, **inputs):
     if not chunk_tokens or transforms:
         logits = model(**inputs).logits
         return F.cross_entropy(

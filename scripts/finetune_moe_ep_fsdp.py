@@ -46,7 +46,7 @@ from common.moe import RouterLogits, apply_tp_ep, check_moe, router_load
 from common.optim import build_optimizer, clip_grad_norm_, lr_multiplier
 from common.sft import build_sft_batches, eval_batches
 from common.weights import export_final, load_or_init_weights
-from common.wrap import apply_fsdp, reshard, resolve_layer_classes
+from common.wrap import apply_fsdp, resolve_layer_classes
 
 
 class MoeLoss:
@@ -129,7 +129,6 @@ def evaluate(model, batches: list[Batch], loss_fn: MoeLoss, device, tp: int) -> 
     for batch in batches:
         ce_sum = ce_sum + loss_fn(model, batch, device)[0]
         tokens = tokens + (batch.labels != -100).sum()
-    reshard(model)  # no backward frees what forward kept all-gathered
     model.train()
     return (global_sum(ce_sum, tp) / global_sum(tokens, tp)).item()
 
@@ -137,9 +136,7 @@ def evaluate(model, batches: list[Batch], loss_fn: MoeLoss, device, tp: int) -> 
 @torch.no_grad()
 def fixed_batch_loss(model, batch: Batch, loss_fn: MoeLoss, device) -> float:
     """Mean answer-token loss on a fixed batch: plain Transformers must reproduce it from the export."""
-    ce_sum = loss_fn(model, batch, device)[0]
-    reshard(model)
-    return (ce_sum / (batch.labels != -100).sum()).item()
+    return (loss_fn(model, batch, device)[0] / (batch.labels != -100).sum()).item()
 
 
 def expert_layout(experts: list) -> dict:

@@ -36,7 +36,7 @@ from common.metrics import (
 from common.model import build_meta_model, init_buffers, load_model_config
 from common.optim import build_optimizer, clip_grad_norm_, lr_multiplier
 from common.weights import export_final, load_or_init_weights
-from common.wrap import apply_fsdp, reshard, resolve_layer_classes
+from common.wrap import apply_fsdp, resolve_layer_classes
 
 
 def token_loss_sum(
@@ -98,7 +98,6 @@ def train_step(
 def fixed_batch_loss(model, batch, device, cp_positions: torch.Tensor | None, chunk_tokens: int) -> float:
     """Mean token loss on a fixed batch (the first rows of the data), to check exports against."""
     summed = token_loss_sum(model, batch, device, cp_positions, chunk_tokens)
-    reshard(model)  # no backward frees what forward kept all-gathered
     if cp_positions is not None:
         dist.all_reduce(summed, group=cp.CP["group"])  # each cp rank scored its own positions
     return (summed / (batch.labels != -100).sum()).item()

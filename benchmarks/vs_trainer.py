@@ -1,11 +1,11 @@
 """pretrain_fsdp.py against the Transformers Trainer + Accelerate FSDP2, side by side on 2 gloo ranks on CPU.
 
     python benchmarks/vs_trainer.py [--repeats 3] [--steps 30] [--vocab 4096] [--seq 512] [--global-batch 8]
-                                    [--budget-gib 0] [--tiny]
+                                    [--micro-batch 2] [--budget-gib 0] [--tiny]
 
 Both train the same Llama body (hidden 512, MLP 1536, 8 layers, 8 heads: 27M parameters) with a `--vocab`
 output layer, at `--seq`, on the same rows of the embedded corpus, with the same global batch (2 ranks x
-micro-batch 2 x accumulation), AdamW settings, schedule, clipping and number of steps
+`--micro-batch` x accumulation), AdamW settings, schedule, clipping and number of steps
 (benchmarks/trainer_baseline.py says how, and what it took to make the Trainer really run FSDP2 on CPU; it
 checks that it did). Two comparisons: both at their defaults, and both at their best documented settings
 for this model and machine (ours: per-layer torch.compile; the Trainer: torch_compile=True). Runs alternate
@@ -41,7 +41,7 @@ MODEL = {
     "num_key_value_heads": 8,
     "max_position_embeddings": 512,
 }
-MICRO, WARMUP_STEPS = 2, 5
+WARMUP_STEPS = 5
 DATA_BYTES = 4_000_000  # enough embedded-corpus rows that no sample repeats
 # Peak RSS then tracks live memory: glibc returns large freed blocks instead of keeping them.
 ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
@@ -135,15 +135,16 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument(
-        "--global-batch", type=int, default=8, help="sequences per step (2 ranks x micro 2 x k)"
+        "--global-batch", type=int, default=8, help="sequences per step (2 ranks x micro-batch x k)"
     )
+    parser.add_argument("--micro-batch", type=int, default=2, help="sequences per rank per forward")
     parser.add_argument(
         "--budget-gib", type=float, default=0, help="also find the largest micro-batch within"
     )
     parser.add_argument("--tiny", action="store_true", help="debug_tiny-sized, 1 repeat: checks that it runs")
     args = parser.parse_args()
     model = dict(MODEL, vocab_size=args.vocab, max_position_embeddings=args.seq)
-    seq, batch = args.seq, (args.global_batch, MICRO)
+    seq, batch = args.seq, (args.global_batch, args.micro_batch)
     if args.tiny:
         model = dict(
             model,

@@ -83,6 +83,9 @@ class FsdpConfig:
     state_dict_type: Literal["FULL_STATE_DICT", "SHARDED_STATE_DICT"] = "FULL_STATE_DICT"  # FULL, SHARDED too
     cpu_ram_efficient_loading: bool = False
     activation_checkpointing: bool = False
+    # With activation_checkpointing: "full" recomputes each layer; N checkpoints every Nth layer only; "op"
+    # saves each layer's matmul and attention outputs and recomputes the rest (elementwise ops, norms)
+    ac_policy: Literal["full", "op"] | int = "full"
     mixed_precision: dict | str | None = None  # None: bf16 params + fp32 reduce on CUDA, fp32 on CPU
     # PyTorch/XLA keys of the Transformers fsdp_config, for scripts/tpu_xla_fsdp.py only.
     xla: bool = False
@@ -278,6 +281,13 @@ def validate(cfg: Config) -> None:
             f"fsdp.min_num_params is ignored with auto_wrap_policy={f.auto_wrap_policy}", stacklevel=2
         )
     resolve_mixed_precision(f, "cuda")
+    if isinstance(f.ac_policy, int) and f.ac_policy < 1:
+        raise ConfigError(f"fsdp.ac_policy is {f.ac_policy}; every Nth layer needs N >= 1")
+    if f.ac_policy != "full" and not f.activation_checkpointing:
+        raise ConfigError(
+            f"fsdp.ac_policy is {f.ac_policy!r} but fsdp.activation_checkpointing is false; set "
+            f"fsdp.activation_checkpointing=true to checkpoint with that policy"
+        )
     if f.activation_checkpointing and t.gradient_checkpointing:
         raise ConfigError(
             "fsdp.activation_checkpointing and train.gradient_checkpointing are both true; "

@@ -40,14 +40,14 @@ def allgather_kv_attention(module, query, key, value, attention_mask, dropout=0.
         documents = (_whole_sequence(kwargs["position_ids"], dim=1) == 0).cumsum(dim=1)  # [batch, seq]
         query_documents = documents[:, CP["positions"]]
     blocks = []
-    for local, start, end in CP["query_blocks"]:
+    for local, start, end, bias in CP["query_blocks"]:
         if CP["document_mask"]:
             keys = torch.arange(end, device=query.device)
             causal = torch.arange(start, end, device=query.device)[:, None] >= keys
             same_document = query_documents[:, local : local + end - start, None] == documents[:, None, :end]
             mask = (causal & same_document).unsqueeze(1)
         else:
-            mask = causal_lower_right(end - start, end)
+            mask = bias
         blocks.append(
             F.scaled_dot_product_attention(
                 query[:, :, local : local + end - start],
@@ -117,7 +117,9 @@ def setup(
     for run in runs:
         for start in range(int(run[0]), int(run[-1]) + 1, QUERY_BLOCK):
             end = min(start + QUERY_BLOCK, int(run[-1]) + 1)
-            blocks.append((local, start, end))
+            # Built here, not in attention: a tensor subclass cannot be created under a dispatch mode
+            # (selective activation checkpointing's, fake tensors').
+            blocks.append((local, start, end, causal_lower_right(end - start, end)))
             local += end - start
     in_order = bool((every_rank.diff() == 1).all())  # head-tail shards arrive out of order: sort them
     CP.update(

@@ -3,6 +3,8 @@ torchtitan's order: AC, compile, then `fully_shard` on each unit bottom-up, then
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
@@ -15,8 +17,48 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from common.config import ConfigError, FsdpConfig, class_names, resolve_mixed_precision
+
+# What fsdp.ac_policy="op" saves: the matmuls (experts' grouped ones too) and attention kernels, which hold
+# nearly all of a layer's FLOPs. The elementwise ops and norms between them are recomputed in backward.
+_ATEN = torch.ops.aten
+SAVED_BY_OP_POLICY = {
+    _ATEN.mm.default,
+    _ATEN.addmm.default,
+    _ATEN.bmm.default,
+    _ATEN._grouped_mm.default,
+    _ATEN._scaled_dot_product_flash_attention.default,
+    _ATEN._scaled_dot_product_efficient_attention.default,
+    _ATEN._scaled_dot_product_cudnn_attention.default,
+    _ATEN._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _save_matmuls_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_BY_OP_POLICY else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpoint_layers(model: nn.Module, layer_classes: set[str], policy: str | int) -> None:
+    """Non-reentrant activation checkpointing of the layers `policy` picks: all ("full", "op") or every Nth,
+    counted back from the last layer; "op" saves matmul and attention outputs. Counting back keeps the last
+    layer unwrapped: backward starts there, and recomputing it while the other layers' saved activations are
+    all alive would put one more layer on the peak."""
+    context = {}
+    if policy == "op":
+        context["context_fn"] = partial(create_selective_checkpoint_contexts, _save_matmuls_and_attention)
+    layers = [
+        (parent, name, child)
+        for parent in list(model.modules())
+        for name, child in parent.named_children()
+        if type(child).__name__ in layer_classes
+    ]
+    for from_last, (parent, name, layer) in enumerate(reversed(layers), start=1):
+        if isinstance(policy, int) and from_last % policy:
+            continue
+        wrapped = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **context)
+        parent.register_module(name, wrapped)
 
 
 def split_experts_over(mesh: DeviceMesh):
@@ -69,6 +111,12 @@ def _layer_name(module: nn.Module) -> str:
     return type(getattr(module, "_checkpoint_wrapped_module", module)).__name__
 
 
+def _layers(model: nn.Module, layer_classes: set[str]) -> list[nn.Module]:
+    """Each transformer layer once: its CheckpointWrapper if it has one, never also the layer inside it."""
+    inside = {getattr(m, "_checkpoint_wrapped_module", None) for m in model.modules()}
+    return [m for m in model.modules() if _layer_name(m) in layer_classes and m not in inside]
+
+
 def _post_order(module: nn.Module):
     for child in module.children():
         yield from _post_order(child)
@@ -84,9 +132,7 @@ def plan_units(
     if fsdp.auto_wrap_policy == "NO_WRAP":
         return []
     if fsdp.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
-        # With activation checkpointing the unit is the CheckpointWrapper, never the layer inside it.
-        inside = {getattr(m, "_checkpoint_wrapped_module", None) for m in model.modules()}
-        units = [[m] for m in model.modules() if _layer_name(m) in layer_classes and m not in inside]
+        units = [[m] for m in _layers(model, layer_classes)]
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
         if embed is not None and embed not in tied:
             units.append([embed])
@@ -139,19 +185,12 @@ def apply_fsdp(
     """Shard `model` in place, each of `experts` as a unit on `expert_mesh`; returns counts for the log.
     `training=False` (forward only) reshards every unit after forward, as the key says."""
     layer_classes = resolve_layer_classes(model, fsdp)
-    if fsdp.activation_checkpointing:
-        # Non-reentrant AC per layer, before fully_shard so FSDP's hooks see the wrapper.
-        for parent in list(model.modules()):
-            for name, child in list(parent.named_children()):
-                if type(child).__name__ in layer_classes:
-                    wrapped = checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-                    parent.register_module(name, wrapped)
+    if fsdp.activation_checkpointing:  # before fully_shard, so FSDP's hooks see the wrappers
+        checkpoint_layers(model, layer_classes, fsdp.ac_policy)
     compiled = 0
     if compile_layers:
-        for module in model.modules():
-            if _layer_name(module) in layer_classes and not isinstance(
-                getattr(module, "_orig_mod", None), nn.Module
-            ):
+        for module in _layers(model, layer_classes):
+            if not isinstance(getattr(module, "_orig_mod", None), nn.Module):
                 module.compile()  # in place, so parameter names (and checkpoints) stay the same
                 compiled += 1
     dtypes = resolve_mixed_precision(fsdp, device_type)

@@ -47,7 +47,6 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefT
 from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._python_dispatch import _disable_current_modes
 from transformers.distributed.expert_parallel import AllToAllEP
 
 from common import cp
@@ -89,20 +88,6 @@ def isolate_sharding_propagation() -> None:
             return original(self, op_schema)
 
     ShardingPropagator._propagate_tensor_meta_non_cached = in_fresh_fake_mode
-
-
-def causal_bias_outside_fake_mode() -> None:
-    """torch's CausalBias (common/cp.py's lower-right mask) is a tensor subclass that cannot be created
-    under a dispatch mode (fake tensors, the tracker); it holds two sizes and no data, so create it
-    outside. On CPU, SDPA then materialises it as a [query block, keys] bool mask (at most 128 MiB at 128k
-    tokens) that CUDA's kernels never build."""
-    original = cp.causal_lower_right
-
-    def outside(*sizes):
-        with _disable_current_modes():
-            return original(*sizes)
-
-    cp.causal_lower_right = outside
 
 
 def route_tokens_evenly() -> None:
@@ -474,7 +459,6 @@ def main(argv: list[str] | None = None) -> None:
     recipe = pick_recipe(args.recipe, args.config, cfg, load_model_config(cfg.model))
     cfg.train.compile = False
     isolate_sharding_propagation()
-    causal_bias_outside_fake_mode()
     route_tokens_evenly()
     grouped_mm_in_float32()
     budget = args.gpu_memory_gib - args.reserve_gib

@@ -152,6 +152,16 @@ def expert_layout(experts: list) -> dict:
     }
 
 
+def moe_details(experts: list, loss_fn: MoeLoss) -> dict:
+    """What model_ready logs for an MoE run: every rank's expert layout, and the loss's settings."""
+    return {
+        "experts": loss_fn.num_experts,
+        "expert_layout_per_rank": gather(expert_layout(experts)),
+        "router_aux_loss_coef": loss_fn.coef,
+        "loss_chunk_tokens": loss_fn.chunk_tokens,
+    }
+
+
 def check_config(cfg: Config, world_size: int, model) -> tuple[MoeSizes, int, Callable]:
     """Bad sizes and keys fail here, before any process group or memory: (sizes, experts, aux loss)."""
     t = cfg.train
@@ -212,15 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     loss_fn = MoeLoss(model, aux_loss_fn, num_experts, t, sizes.tp)
 
     logger = MetricsLogger(cfg, d.is_main)
-    layout = dict(
-        experts=num_experts,
-        expert_layout_per_rank=gather(expert_layout(experts)),
-        router_aux_loss_coef=loss_fn.coef,
-        loss_chunk_tokens=loss_fn.chunk_tokens,
-        resumed_from=resume_from,
-        start_step=start_step,
-    )
-    logger.log(model_ready(model, d.device, cfg.fsdp, dense_mesh, **layout, **sharding))
+    details = dict(resumed_from=resume_from, start_step=start_step, **moe_details(experts, loss_fn))
+    logger.log(model_ready(model, d.device, cfg.fsdp, dense_mesh, **details, **sharding))
     reset_peak_memory(d.device)
     if held_out and start_step == 0:
         eval_loss = evaluate(model, held_out, loss_fn, d.device, sizes.tp)

@@ -21,6 +21,7 @@ from launch import REPO, env, free_port
         ["loss_chunks.py", "--tiny"],
         ["vs_trainer.py", "--tiny", "--budget-gib", "8"],
         ["reshard_rule.py", "--tiny"],
+        ["ac_policy.py", "--tiny"],
         ["gpu_bench.py", "{tmp}", "--tiny"],
     ],
     ids=lambda args: args[0],

@@ -154,6 +154,18 @@ BAD_INPUTS = {
         ["fsdp.activation_checkpointing=true", "train.gradient_checkpointing=true"],
         "fsdp.activation_checkpointing and train.gradient_checkpointing are both true",
     ),
+    "ac_policy_without_ac": (
+        ["fsdp.ac_policy=op"],
+        "fsdp.ac_policy is 'op' but fsdp.activation_checkpointing",
+    ),
+    "ac_policy_value": (
+        ["fsdp.activation_checkpointing=true", "fsdp.ac_policy=selective"],
+        "fsdp.ac_policy is 'selective'; use one of full, op or an integer",
+    ),
+    "ac_policy_zero": (
+        ["fsdp.activation_checkpointing=true", "fsdp.ac_policy=0"],
+        "every Nth layer needs N >= 1",
+    ),
     "state_dict_type": (
         ["fsdp.state_dict_type=LOCAL_STATE_DICT"],
         "fsdp.state_dict_type is 'LOCAL_STATE_DICT'",

@@ -104,3 +104,7 @@ def test_per_layer_compile_matches_eager(tmp_path):
     assert event(compiled, "model_ready")["compiled_layers"] == 2  # debug_tiny has 2 decoder layers
     assert event(eager, "model_ready")["compiled_layers"] == 0
     assert losses(compiled) == pytest.approx(losses(eager), abs=1e-5)
+    selective = ["train.compile=true", "fsdp.activation_checkpointing=true", "fsdp.ac_policy=op"]
+    compiled_sac = pretrain(tmp_path / "compiled_sac", *STEP, *selective, nproc=0, timeout=600)
+    assert event(compiled_sac, "model_ready")["compiled_layers"] == 2
+    assert losses(compiled_sac) == pytest.approx(losses(eager), abs=1e-5)

@@ -236,9 +236,11 @@ def test_fewer_local_experts_than_ranks_to_shard_them_over_still_split_evenly(tm
 
 
 def test_fsdp_keys_keep_the_math_and_sharded_export_reloads(tmp_path, qwen, reference):
-    """AC, SIZE_BASED_WRAP, no reshard and CPU offload on EP: same losses; the SHARDED export reloads."""
+    """Selective AC (fsdp.ac_policy=op: the experts' all-to-all is recomputed in backward), SIZE_BASED_WRAP,
+    no reshard and CPU offload on EP: same losses; the SHARDED export reloads."""
     keys = [
         "fsdp.activation_checkpointing=true",
+        "fsdp.ac_policy=op",
         "fsdp.auto_wrap_policy=SIZE_BASED_WRAP",
         "fsdp.min_num_params=20000",
         "fsdp.reshard_after_forward=false",

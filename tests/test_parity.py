@@ -27,8 +27,10 @@ def single_process(tmp_path_factory):
         ),
         # HSDP replicas 2 x cp 2: FSDP shards over the cp ranks of a replica, which all-reduce with the other.
         (4, ["parallelism.dp_replicate_size=2", "parallelism.cp_size=2"]),
+        # selective AC recomputes cp's K/V all-gathers in backward
+        (2, ["parallelism.cp_size=2", "fsdp.activation_checkpointing=true", "fsdp.ac_policy=op"]),
     ],
-    ids=["fsdp2", "fsdp4", "hsdp2x2", "cp2", "hsdp2xcp2"],
+    ids=["fsdp2", "fsdp4", "hsdp2x2", "cp2", "hsdp2xcp2", "cp2-selective-ac"],
 )
 def test_losses_match_single_process(tmp_path, single_process, nproc, overrides):
     records = pretrain(tmp_path, f"train.steps={STEPS}", "checkpoint.export=false", *overrides, nproc=nproc)

@@ -11,7 +11,7 @@ from transformers import LlamaConfig
 
 from common.config import ConfigError, FsdpConfig, ModelConfig
 from common.mesh import build_dp_mesh
-from common.model import build_meta_model
+from common.model import build_meta_model, init_buffers, init_weights
 from common.wrap import apply_fsdp, reshard
 
 LAYERS = 3
@@ -33,6 +33,7 @@ def tiny_llama(tie: bool = False) -> nn.Module:
         num_attention_heads=4,
         num_key_value_heads=2,
         tie_word_embeddings=tie,
+        use_cache=False,  # as the scripts set it: a cache filled in forward would change the recompute
     )
     return build_meta_model(config, ModelConfig())
 
@@ -151,3 +152,32 @@ def test_activation_checkpointing_wraps_each_layer_before_sharding():
     assert wrapped == [f"model.layers.{i}" for i in range(LAYERS)]
     assert all(isinstance(model.model.layers[i], FSDPModule) for i in range(LAYERS))
     assert len(units(model)) == LAYERS + 3  # the wrapper is the unit, not also the layer inside it
+
+
+@pytest.mark.parametrize(
+    "policy, wrapped_layers", [("full", [0, 1, 2]), ("op", [0, 1, 2]), (2, [1]), (3, [0])]
+)
+def test_each_ac_policy_wraps_its_layers_and_gives_the_gradients_of_no_checkpointing(policy, wrapped_layers):
+    """Every Nth layer counts back from the last, which is never recomputed unless N is 1."""
+
+    def step(**keys) -> tuple[nn.Module, float, dict]:
+        model = shard(tiny_llama(), **keys)
+        model.to_empty(device="cpu")
+        init_weights(model, seed=0, std=0.02)
+        init_buffers(model, torch.device("cpu"))
+        ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads = {
+            name.replace("_checkpoint_wrapped_module.", ""): p.grad for name, p in model.named_parameters()
+        }
+        return model, loss.item(), grads
+
+    _, plain_loss, plain = step()
+    model, loss, checkpointed = step(activation_checkpointing=True, ac_policy=policy)
+    wrapped = [n for n, m in model.named_modules() if isinstance(m, CheckpointWrapper)]
+    assert wrapped == [f"model.layers.{i}" for i in wrapped_layers]
+    assert loss == pytest.approx(plain_loss, abs=1e-6)
+    assert checkpointed.keys() == plain.keys()
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name].full_tensor(), grad.full_tensor(), rtol=1e-6, atol=1e-6)

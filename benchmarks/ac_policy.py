@@ -20,11 +20,15 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.vs_trainer import MODEL as BODY
-from tests.launch import run_recipe, steady_step
+from tests.launch import losses, run_recipe, steady_step
 
 AC = "fsdp.activation_checkpointing=true"
-POLICIES = {"no AC": [], "op": [AC, "fsdp.ac_policy=op"], "every 2nd layer": [AC, "fsdp.ac_policy=2"]}
-POLICIES["full"] = [AC]
+POLICIES = {
+    "no AC": [],
+    "op": [AC, "fsdp.ac_policy=op"],
+    "every 2nd layer": [AC, "fsdp.ac_policy=2"],
+    "full": [AC],
+}
 
 
 def measure(overrides: list[str]) -> dict:
@@ -33,7 +37,7 @@ def measure(overrides: list[str]) -> dict:
     return {
         "peak_gib": max(final["peak_mem_gib_per_rank"]),
         "tokens_per_s": steady_step(records)["tokens_per_s"],
-        "loss": [r["loss"] for r in records if "loss" in r and "event" not in r][-1],
+        "loss": losses(records)[-1],
     }
 
 

@@ -9,6 +9,11 @@ Save includes everything a training run pays: state dict, DCP write + fsync, the
 previous checkpoint (keep_latest=1). Load reads what the page cache still holds, as a restart right after
 a save on the same node would.
 Prints a markdown table of MB/s (min / median / max over repeats) and the ratio to raw.
+
+Then the training stall: --steps training steps with a checkpoint every --every steps, written
+synchronously (save_checkpoint) or in the background (checkpoint.async_save: start_async_save, published
+by finish_async_save as training does), against the same steps with no checkpoint. Prints the time
+training waited per checkpoint (median) and steps/s, with the ratios to sync and to no checkpoint.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig
 
-from common.checkpoint import load_checkpoint, save_checkpoint
+from common.checkpoint import finish_async_save, load_checkpoint, save_checkpoint, start_async_save
 from common.config import FsdpConfig, ModelConfig
 from common.mesh import build_dp_mesh, init_distributed
 from common.model import build_meta_model, init_weights
@@ -53,11 +58,62 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def train_with_checkpoints(model, optimizer, run_dir: str, mode: str, steps: int, every: int) -> tuple:
+    """(seconds training waited per checkpoint, steps/s) for mode none | sync | async."""
+    tokens = torch.zeros(1, 64, dtype=torch.long, device=next(model.parameters()).device)
+    stalls, pending = [], None
+    dist.barrier()
+    start = time.perf_counter()
+    for step in range(1, steps + 1):
+        model(input_ids=tokens).logits.float().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if pending is not None and finish_async_save(pending, wait=False):
+            pending = None
+        if mode == "none" or step % every:
+            continue
+        waited = time.perf_counter()
+        state = {"step": step, "samples": 0, "scheduler": {}, "data": []}
+        if mode == "sync":
+            save_checkpoint(run_dir, step, model, optimizer, state, 1)
+        else:
+            if pending is not None:  # one write at a time, as training does
+                finish_async_save(pending, wait=True)
+            pending = start_async_save(run_dir, step, model, optimizer, state, 1)
+        stalls.append(time.perf_counter() - waited)
+    if pending is not None:
+        finish_async_save(pending, wait=True)
+    dist.barrier()
+    return stalls, steps / (time.perf_counter() - start)
+
+
+def print_stall_table(model, optimizer, args, ranks: int) -> None:
+    results = {
+        mode: train_with_checkpoints(
+            model, optimizer, os.path.join(args.dir, mode), mode, args.steps, args.every
+        )
+        for mode in ("none", "sync", "async")
+    }
+    if dist.get_rank() != 0:
+        return
+    print(f"\n{args.steps} training steps, a checkpoint every {args.every}, {ranks} ranks\n")
+    print(
+        "| checkpoints | training waits per checkpoint, s (median) | vs sync | steps/s | vs no checkpoints |"
+    )
+    print("|---|---|---|---|---|")
+    sync_stall, free_rate = statistics.median(results["sync"][0]), results["none"][1]
+    for mode, (stalls, rate) in results.items():
+        stall = statistics.median(stalls) if stalls else 0.0
+        print(f"| {mode} | {stall:.3f} | {stall / sync_stall:.2f} | {rate:.3f} | {rate / free_rate:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", default="/tmp/fsdp2-recipes-ckpt-bench")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=12, help="training steps of the stall measurement")
+    parser.add_argument("--every", type=int, default=3, help="a checkpoint every this many steps")
     parser.add_argument(
         "--tiny", action="store_true", help="a 1-layer, narrow model: checks that the benchmark runs"
     )
@@ -118,6 +174,8 @@ def main() -> None:
                 f"| {name} | {rates[0]:,.0f} | {statistics.median(rates):,.0f} | {rates[-1]:,.0f} | "
                 f"{statistics.median(rates) / raw_median:.2f} |"
             )
+    print_stall_table(model, optimizer, args, d.world_size)
+    if d.is_main:
         shutil.rmtree(args.dir, ignore_errors=True)
     dist.destroy_process_group()
 

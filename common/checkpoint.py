@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import re
 import shutil
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -30,6 +34,7 @@ from common.weights import publish, save_config
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TRAIN_STATE = "train_state.json"
 WRITER_THREADS = 4
+FULL_BELOW_BYTES = 2**20  # free space under which a failed write counts as a full disk
 
 
 class CheckpointNotWritten(Exception):
@@ -131,15 +136,7 @@ def save_checkpoint(
     keep_latest: int,
     tokenizer=None,
 ) -> str:
-    root = checkpoints_dir(run_dir)
-    final = os.path.join(root, f"step-{step}")
-    tmp = f"{final}.tmp"
-    if dist.get_rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        for name in os.listdir(root):  # leftovers of a save that crashed
-            if name.endswith(".tmp") and STEP_DIR.match(name.removesuffix(".tmp")):
-                shutil.rmtree(os.path.join(root, name))
-    dist.barrier()
+    root, tmp, final = _begin_save(run_dir, step)
     state, _ = _training_state(model, optimizer, _rng_key())
     with _writer_thread_errors() as errors:
         try:
@@ -148,16 +145,99 @@ def save_checkpoint(
             errors.append(failed)
     if not errors:
         inject_fault(step, run_dir, during_save=True)
-    error = _first_on_any_rank(_os_error(errors))  # and every rank's shard is on disk
+    publish = functools.partial(
+        publish_checkpoint, tmp, final, train_state, model.config, tokenizer, keep_latest
+    )
+    return _complete(root, tmp, final, step, errors, publish)
+
+
+def _begin_save(run_dir: str, step: int) -> tuple[str, str, str]:
+    root = checkpoints_dir(run_dir)
+    final = os.path.join(root, f"step-{step}")
+    if dist.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        for name in os.listdir(root):  # leftovers of a save that crashed
+            if name.endswith(".tmp") and STEP_DIR.match(name.removesuffix(".tmp")):
+                shutil.rmtree(os.path.join(root, name))
+    dist.barrier()
+    return root, f"{final}.tmp", final
+
+
+def _complete(root: str, tmp: str, final: str, step: int, errors: list, publish: Callable[[], None]) -> str:
+    """Once every rank's shard is on disk: rank 0 publishes (step-N.tmp -> step-N), or every rank raises."""
+    error = _first_on_any_rank(_os_error(errors, root))
     if error is None and dist.get_rank() == 0:
         try:
-            publish_checkpoint(tmp, final, train_state, model.config, tokenizer, keep_latest)
+            publish()
         except OSError as failed:
             error = failed
     error = _first_on_any_rank(error)
     if error is not None:
         raise CheckpointNotWritten(_not_written(root, tmp, step, error)) from None
     return final
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint written in the background (checkpoint.async_save), not yet published."""
+
+    future: Future
+    root: str
+    tmp: str
+    final: str
+    step: int
+    publish: Callable[[], None]
+
+
+_ASYNC_GROUP: dict = {}  # the background writes' own gloo group, per default group (tests make several)
+
+
+def _async_group() -> dist.ProcessGroup:
+    """Created on first use, by every rank: the writes' collectives run beside training's, so they must not
+    share a group."""
+    if _ASYNC_GROUP.get("world") is not dist.group.WORLD:
+        _ASYNC_GROUP.update(world=dist.group.WORLD, group=dist.new_group(backend="gloo"))
+    return _ASYNC_GROUP["group"]
+
+
+def start_async_save(
+    run_dir: str,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_state: dict,
+    keep_latest: int,
+    tokenizer=None,
+) -> PendingSave:
+    """Copy the training state to host memory, then write it in a background thread with DCP's
+    async_save; training goes on once the copy is made. Publish with finish_async_save."""
+    root, tmp, final = _begin_save(run_dir, step)
+    state, _ = _training_state(model, optimizer, _rng_key())
+    # One writer thread: DCP's extra threads report a failed write only to threading.excepthook, which
+    # cannot be scoped to a write that outlives this call; in the writing thread it reaches the future.
+    writer = dcp.FileSystemWriter(tmp, thread_count=1)
+    future = dcp.async_save(state, storage_writer=writer, process_group=_async_group())
+    inject_fault(step, run_dir, during_save=True)  # the kill test: the background write is under way
+    publish = functools.partial(
+        publish_checkpoint, tmp, final, train_state, model.config, tokenizer, keep_latest
+    )
+    return PendingSave(future, root, tmp, final, step, publish)
+
+
+def finish_async_save(pending: PendingSave, wait: bool) -> str | None:
+    """Publish `pending` once its write has finished on every rank (at once, if `wait`): the path, or
+    None while some rank is still writing. Collective: every rank calls it at the same point."""
+    if not wait:
+        writing = torch.tensor(0.0 if pending.future.done() else 1.0)  # gloo: a CPU tensor, also beside NCCL
+        dist.all_reduce(writing, op=dist.ReduceOp.MAX)
+        if writing.item():
+            return None
+    errors = []
+    try:
+        pending.future.result()
+    except (Exception, CheckpointException) as failed:  # DCP's is a BaseException
+        errors.append(failed)
+    return _complete(pending.root, pending.tmp, pending.final, pending.step, errors, pending.publish)
 
 
 @contextlib.contextmanager
@@ -172,7 +252,7 @@ def _writer_thread_errors():
         threading.excepthook = previous
 
 
-def _os_error(errors: list[Exception]) -> Exception | None:
+def _os_error(errors: list[Exception], root: str) -> Exception | None:
     """The first OSError behind `errors` (DCP's own failure holds every rank's), else the first error."""
     for failed in errors:
         for value in getattr(failed, "failures", {failed: failed}).values():
@@ -181,6 +261,9 @@ def _os_error(errors: list[Exception]) -> Exception | None:
                 error = error.__cause__ or error.__context__
             if error is not None:
                 return error
+    # torch.save's zip writer reports a full disk as "unexpected pos N vs M", without the OSError.
+    if errors and shutil.disk_usage(root).free < FULL_BELOW_BYTES:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     return errors[0] if errors else None
 
 

@@ -114,6 +114,7 @@ class CheckpointConfig:
     keep_latest: int = 2
     resume: str = "auto"  # auto: the newest complete checkpoint in dir, if any | none | a step-N path
     export: bool = True  # write the final export to <dir>/export per fsdp.state_dict_type
+    async_save: bool = False  # training waits only for a copy in host memory; DCP writes in the background
 
 
 @dataclass
@@ -123,6 +124,8 @@ class MetricsConfig:
     sample_ids: bool = False  # log which global samples each rank consumed (for data-position tests)
     tensorboard: bool = True  # used only when the package is installed
     peak_flops: float | None = None  # FLOP/s per device for MFU; None: the datasheet table (known GPUs only)
+    profile_steps: list[int] = field(default_factory=list)  # [first, last]: a profiler trace per rank
+    memory_snapshot: bool = False  # CUDA: allocator history, dumped after the profiled steps and on OOM
 
 
 @dataclass
@@ -305,6 +308,11 @@ def validate(cfg: Config) -> None:
     for key, value in vars(p).items():
         if key.endswith("_size") and (value == 0 or value < -1):
             raise ConfigError(f"parallelism.{key} is {value}; use a positive integer (or -1 for the rest)")
+    steps = cfg.metrics.profile_steps
+    if steps and (len(steps) != 2 or any(type(s) is not int for s in steps) or not 1 <= steps[0] <= steps[1]):
+        raise ConfigError(
+            f"metrics.profile_steps is {steps}; give [first, last] with 1 <= first <= last, e.g. [3, 4]"
+        )
     if p.cp_size > 1 and p.sp_size > 1:
         raise ConfigError(f"parallelism.cp_size={p.cp_size} and sp_size={p.sp_size} are both > 1; pick one")
 

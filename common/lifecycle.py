@@ -6,6 +6,7 @@ import contextlib
 import math
 import os
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
@@ -13,12 +14,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from common.checkpoint import CheckpointNotWritten, save_checkpoint
+from common.checkpoint import (
+    CheckpointNotWritten,
+    finish_async_save,
+    save_checkpoint,
+    start_async_save,
+)
 from common.config import Config, ConfigError
 from common.faults import arm_gradient_fault, inject_fault
 from common.mesh import gather
 from common.metrics import GIB, CommCounter, MetricsLogger, StepTimer, peak_memory_bytes
 from common.optim import NonFiniteGradients
+from common.profiling import StepDiagnostics
 
 
 class PreemptionWatch:
@@ -70,8 +77,10 @@ def check_shared_storage(run_dir: str) -> None:
 @dataclass(eq=False)
 class Bookkeeping:
     """After each optimizer step: log when due, stop on a non-finite loss, and checkpoint every
-    checkpoint.interval steps, at the end, and on an early stop (preemption, train.stop_after). A context
-    manager around the loop, which counts collectives when metrics.comm_stats is on."""
+    checkpoint.interval steps, at the end, and on an early stop (preemption, train.stop_after), in the
+    background with checkpoint.async_save (published once written, awaited at the end). A context
+    manager around the loop, which counts collectives when metrics.comm_stats is on and traces the steps
+    metrics.profile_steps names (common/profiling.py)."""
 
     cfg: Config
     logger: MetricsLogger
@@ -90,17 +99,26 @@ class Bookkeeping:
         self.preemption = PreemptionWatch(self.device)
         self.comm = CommCounter()
         self.stopped = False
+        self.pending, self.pending_stall = None, 0.0  # a checkpoint written in the background
         self.step = self.start_step + 1  # the step being trained
-        self._counting = contextlib.ExitStack()
+        self._around_loop = contextlib.ExitStack()
 
     def __enter__(self) -> Bookkeeping:
         if self.cfg.metrics.comm_stats:
-            self._counting.enter_context(self.comm.patch())
+            self._around_loop.enter_context(self.comm.patch())
+        self.diagnostics = self._around_loop.enter_context(StepDiagnostics(self.cfg, self.device, self.step))
         arm_gradient_fault(self.step, self.cfg.checkpoint.dir, self.model)
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> None:
-        self._counting.close()
+        self._around_loop.__exit__(exc_type, exc, traceback)
+        # A run that ends waits for its last background write, unless a rank failed alone (an out-of-memory
+        # error, say): the others could then wait forever in the collective that publishes it.
+        if self.pending is not None and (exc is None or isinstance(exc, (NonFiniteGradients, SystemExit))):
+            try:
+                self._publish(wait=True)
+            except CheckpointNotWritten as failed:
+                raise SystemExit(str(failed)) from None
         if isinstance(exc, NonFiniteGradients):
             raise SystemExit(
                 f"gradient norm is {exc.norm} at step {self.step}; stopping before the optimizer step, "
@@ -112,6 +130,8 @@ class Bookkeeping:
     def after_step(self, step: int, stats: dict, tokens: int) -> bool:
         """`stats`: the step's loss and other numbers to log. True: stop here (the checkpoint is written)."""
         t, run_dir = self.cfg.train, self.cfg.checkpoint.dir
+        for event in self.diagnostics.after(step):
+            self.logger.log(event)
         if inject_fault(step, run_dir):
             stats["loss"] = math.nan
         # One verdict for all ranks: a loss poisoned on one rank alone (a fault, a bad device) must stop
@@ -125,6 +145,8 @@ class Bookkeeping:
                 f"loss is {loss} at step {step}; stopping without saving, the last checkpoint is "
                 f"intact (try a lower train.lr or train.max_grad_norm)"
             )
+        if self.pending is not None:
+            self._publish(wait=False)
         self.timer.add(tokens)
         if step % self.cfg.metrics.log_every == 0 or step in (self.start_step + 1, t.steps):
             record = {"step": step, **stats, **self.timer.record(step - self.start_step)}
@@ -135,17 +157,44 @@ class Bookkeeping:
         stopping = preempted or bool(t.stop_after and step - self.start_step >= t.stop_after)
         interval = self.cfg.checkpoint.interval
         if (interval and step % interval == 0) or step == t.steps or stopping:
-            self.logger.log({"event": "checkpoint", "step": step, "path": self._save(step, stats)})
+            self._checkpoint(step, stats)
         self.stopped = stopping and step < t.steps
         self.step = step + 1
         arm_gradient_fault(self.step, run_dir, self.model)
+        if not self.stopped and step < t.steps:
+            self.diagnostics.before(self.step)
         if self.stopped:
             reason = "preempted" if preempted else "train.stop_after"
             self.logger.log({"event": "stopped", "step": step, "reason": reason})
         return self.stopped
 
-    def _save(self, step: int, stats: dict) -> str:
-        train_state = {
+    def _checkpoint(self, step: int, stats: dict) -> None:
+        """Save now, or (checkpoint.async_save) start a background write, after the previous one is done."""
+        started, c = time.perf_counter(), self.cfg.checkpoint
+        state = self._train_state(step, stats)
+        args = (c.dir, step, self.model, self.optimizer, state, c.keep_latest, self.tokenizer)
+        if not c.async_save:
+            path = self.save(*args)
+            self.logger.log(
+                {"event": "checkpoint", "step": step, "path": path, "stall_s": time.perf_counter() - started}
+            )
+            return
+        if self.pending is not None:  # one write at a time
+            self._publish(wait=True)
+        self.pending = start_async_save(*args)
+        self.pending_stall = time.perf_counter() - started  # what training waited: the copy to host memory
+
+    def _publish(self, wait: bool) -> None:
+        path = finish_async_save(self.pending, wait)
+        if path is not None:
+            step, stall = self.pending.step, self.pending_stall
+            self.logger.log(
+                {"event": "checkpoint", "step": step, "path": path, "stall_s": stall, "async": True}
+            )
+            self.pending = None
+
+    def _train_state(self, step: int, stats: dict) -> dict:
+        return {
             "step": step,
             "samples": stats["samples"],  # the global data position, the same on any world size
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
@@ -153,5 +202,3 @@ class Bookkeeping:
             "scheduler": self.scheduler.state_dict(),
             "data": gather(self.data.state_dict()),
         }
-        c = self.cfg.checkpoint
-        return self.save(c.dir, step, self.model, self.optimizer, train_state, c.keep_latest, self.tokenizer)

@@ -42,6 +42,7 @@ from common.loss import chunk_logits
 from common.mesh import build_dp_mesh, gather, init_distributed, resolve_device
 from common.metrics import GIB, event_line, peak_memory_bytes, reset_peak_memory
 from common.model import build_meta_model, init_buffers, load_model_config
+from common.profiling import prepare_diagnostics
 from common.weights import is_sharded_export, load_hf_weights, load_sharded_export
 from common.wrap import apply_fsdp, resolve_layer_classes
 
@@ -101,6 +102,11 @@ def check_config(cfg: Config, world_size: int) -> str:
         raise ConfigError(
             "data.streaming is true; eval_cp.py evaluates local data (the embedded corpus or files)"
         )
+    if cfg.metrics.profile_steps or cfg.metrics.memory_snapshot:
+        raise ConfigError(
+            "metrics.profile_steps or metrics.memory_snapshot is set; they trace training steps, which "
+            "eval_cp.py has none of, so remove them (docs/debugging.md)"
+        )
     if cfg.data.tokenizer is None and os.path.exists(
         os.path.join(cfg.model.name_or_path, "tokenizer_config.json")
     ):
@@ -150,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     resolve_layer_classes(model, cfg.fsdp)  # a bad class name fails before any process group exists
 
     # A (dp, cp) mesh: each cp rank holds its (head-tail, with eval.load_balance) share of every sequence.
+    prepare_diagnostics(cfg)  # NCCL's flight recorder dumps under the run directory on a timeout
     d = init_distributed(cfg.train.device, p.timeout_minutes)
     dp_size = d.world_size // p.cp_size
     positions, dp_rank, cp_mesh = cp.setup(

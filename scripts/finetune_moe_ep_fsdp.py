@@ -44,6 +44,7 @@ from common.metrics import MetricsLogger, StepTimer, final_record, model_ready, 
 from common.model import build_meta_model, init_buffers, load_model_config
 from common.moe import RouterLogits, apply_tp_ep, check_moe, router_load
 from common.optim import build_optimizer, clip_grad_norm_, lr_multiplier
+from common.profiling import prepare_diagnostics
 from common.sft import build_sft_batches, eval_batches
 from common.weights import export_final, load_or_init_weights
 from common.wrap import apply_fsdp, resolve_layer_classes
@@ -187,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes, num_experts, aux_loss_fn = check_config(cfg, int(os.environ.get("WORLD_SIZE", 1)), model)
 
     # Two views of the same ranks: dense (dp_replicate, fsdp, tp) and expert (dp_replicate, efsdp, ep).
+    prepare_diagnostics(cfg)  # NCCL's flight recorder dumps under the run directory on a timeout
     d = init_distributed(t.device, cfg.parallelism.timeout_minutes)
     dense_mesh, expert_mesh = build_moe_meshes(d.device.type, sizes)
     dp_rank = data_parallel_rank(dense_mesh)  # tp peers share a batch

@@ -35,6 +35,7 @@ from common.metrics import (
 )
 from common.model import build_meta_model, init_buffers, load_model_config
 from common.optim import build_optimizer, clip_grad_norm_, lr_multiplier
+from common.profiling import prepare_diagnostics
 from common.weights import export_final, load_or_init_weights
 from common.wrap import apply_fsdp, resolve_layer_classes
 
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # Process group and mesh: 1-D FSDP, or 2-D (dp_replicate, dp_shard) HSDP; with CP, FSDP shards over
     # dp_shard x cp and each rank trains on its head-tail share of every sequence's positions.
+    prepare_diagnostics(cfg)  # NCCL's flight recorder dumps under the run directory on a timeout
     d = init_distributed(t.device, cfg.parallelism.timeout_minutes)
     mesh = build_dp_mesh(d.device.type, dp_replicate, dp_shard * cp_size)
     cp_positions, dp_rank = None, d.rank

@@ -135,6 +135,17 @@ def check_xla_config(cfg: Config, num_devices: int) -> None:
                 f"schedules and compiles; use fsdp.xla_fsdp_grad_ckpt for checkpointing and "
                 f"fsdp.xla_fsdp_settings.compute_dtype for precision); remove it"
             )
+    torch_only = {
+        "metrics.profile_steps": cfg.metrics.profile_steps,
+        "metrics.memory_snapshot": cfg.metrics.memory_snapshot,
+        "checkpoint.async_save": cfg.checkpoint.async_save,
+    }
+    for key, value in torch_only.items():
+        if value:
+            raise ConfigError(
+                f"{key} is set, which the XLA recipe does not implement (its checkpoints are written "
+                f"synchronously; torch_xla.debug.profiler traces the XLA device); remove it"
+            )
     if cfg.data.document_mask:
         raise ConfigError(
             "data.document_mask is true, which the XLA recipe does not implement (its attention is "

@@ -55,3 +55,4 @@ def test_checkpoint_speed_runs_under_torchrun(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "| save |" in proc.stdout and "| load |" in proc.stdout
+    assert "| sync |" in proc.stdout and "| async |" in proc.stdout

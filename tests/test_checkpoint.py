@@ -128,6 +128,32 @@ def test_a_crash_inside_a_checkpoint_write_leaves_the_previous_one_intact(tmp_pa
     assert_bit_identical(weights(tmp_path), weights(ref_dir))
 
 
+def test_async_checkpoints_survive_a_kill_during_a_background_write_and_resume_bit_identical(
+    tmp_path, straight
+):
+    """checkpoint.async_save: rank 0 is killed just after its step-10 write started in the background. The
+    rerun resumes from step-5 and ends bit-identical to the synchronous run, every checkpoint published."""
+    ref_dir, ref = straight
+    crashed = run(
+        "pretrain_fsdp.py",
+        ["--config", TINY, f"checkpoint.dir={tmp_path}", *CKPT, "checkpoint.async_save=true"],
+        nproc=2,
+        check=False,
+        extra_env={"FSDP2_RECIPES_FAULT": "save@10:0"},
+    )
+    assert crashed.returncode != 0
+    # step-10.tmp, partly written, exists once either rank's background thread has begun its write.
+    assert {"step-5"} <= set(os.listdir(tmp_path / "checkpoints")) <= {"step-5", "step-10.tmp"}
+    assert find_resume_checkpoint(str(tmp_path), "auto").endswith("step-5")
+    after = read_metrics_after(tmp_path, lambda: pretrain(tmp_path, *CKPT, "checkpoint.async_save=true"))
+    assert event(after, "model_ready")["start_step"] == 5
+    assert losses(after) == losses(ref)[5:]
+    assert_bit_identical(weights(tmp_path), weights(ref_dir))
+    published = [r for r in after if r.get("event") == "checkpoint"]
+    assert [(r["step"], r["async"]) for r in published] == [(10, True), (15, True), (20, True)]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-15", "step-20"]  # the run waited for 20
+
+
 def test_nan_loss_stops_with_a_message_and_keeps_good_checkpoints(tmp_path):
     proc = run(
         "pretrain_fsdp.py",
@@ -365,9 +391,11 @@ def small_disk(tmp_path):
     subprocess.run(["umount", str(mount)], check=True)
 
 
-def test_a_full_disk_during_a_checkpoint_write_stops_cleanly_and_resumes(small_disk):
+@pytest.mark.parametrize("write", ["sync", "async"])
+def test_a_full_disk_during_a_checkpoint_write_stops_cleanly_and_resumes(small_disk, write):
     run_dir = small_disk / "run"
     overrides = ["train.steps=4", "checkpoint.interval=2", "checkpoint.export=false"]
+    overrides.append(f"checkpoint.async_save={str(write == 'async').lower()}")
     proc = run(
         "pretrain_fsdp.py",
         ["--config", TINY, f"checkpoint.dir={run_dir}", *overrides],

@@ -197,6 +197,11 @@ BAD_INPUTS = {
     "log_every_type": (['metrics.log_every="often"'], "metrics.log_every is 'often'; use an integer"),
     "bool_as_size": (["parallelism.cp_size=true"], "parallelism.cp_size is True; use an integer"),
     "enum": (["train.lr_schedule=linear"], "train.lr_schedule is 'linear'; use one of cosine, wsd"),
+    "profile_steps": (
+        ["metrics.profile_steps=[3, 2]"],
+        r"metrics.profile_steps is \[3, 2\]; give \[first, last\]",
+    ),
+    "memory_snapshot_on_cpu": (["metrics.memory_snapshot=true"], "this run is on the CPU; it records CUDA's"),
 }
 
 

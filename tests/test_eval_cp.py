@@ -220,6 +220,7 @@ def run_eval_env(export, tmp_path, overrides, env) -> dict:
             ["eval.attention=torch_cp", "data.document_mask=true", "parallelism.cp_size=1"],
             "plain causal attention only",
         ),
+        (["metrics.profile_steps=[1, 2]", "parallelism.cp_size=1"], "which eval_cp.py has none of"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, overrides, message):

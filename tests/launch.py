@@ -114,6 +114,22 @@ def write_short_documents(path) -> str:
     return str(path)
 
 
+def estimate(config: str, world: int, *overrides: str, device: str = "cpu", quick: bool = False) -> dict:
+    """The planner's report. `quick`: the peak and the state bytes only, without its search (the largest
+    micro-batch, the alternatives), which tests/test_estimate_at_scale.py covers."""
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "estimate_memory.py"), "--config", config]
+    cmd += [
+        "--world-size",
+        str(world),
+        "--device",
+        device,
+        "--json",
+        *(["--quick"] if quick else []),
+        *overrides,
+    ]
+    return json.loads(run_command(cmd, timeout=600).stdout.strip().splitlines()[-1])
+
+
 def run_recipe(
     world: int,
     overrides: list[str],

@@ -309,11 +309,21 @@ def run_cli(main, argv: list[str] | None = None) -> None:
     except ConfigError as error:
         rank = os.environ.get("RANK")
         prefix = f"[rank{rank}] " if rank is not None else ""
-        print(f"{prefix}config error: {error}", file=sys.stderr, flush=True)
+        _print_line(f"{prefix}config error: {error}")
         exit_code = 2
     except SystemExit as stop:  # a stop that every rank takes together, such as a non-finite loss
         exit_code = stop.code or 0
         if isinstance(exit_code, str):
-            print(exit_code, file=sys.stderr, flush=True)
+            _print_line(exit_code)
             exit_code = 1
     end_process(exit_code)
+
+
+def _print_line(text: str) -> None:
+    """One line to stderr in one write(2): under PYTHONUNBUFFERED, print() writes the text and its newline in
+    two, so the ranks' lines on a shared pipe could interleave as 'rank0 ...rank1 ...' + ''."""
+    sys.stderr.flush()
+    try:
+        os.write(sys.stderr.fileno(), f"{text}\n".encode())
+    except (AttributeError, OSError, ValueError):  # a stream with no descriptor (pytest's capture)
+        sys.stderr.write(f"{text}\n")

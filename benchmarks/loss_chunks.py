@@ -70,7 +70,7 @@ def main() -> None:
     print("| train.loss_chunk_tokens | seconds per pass | vs plain | peak MiB | vs plain |")
     print("|---|---|---|---|---|")
     base = None
-    for chunk in (0, 256, 1024, 4096):
+    for chunk in (0, 256, 512, 1024, 4096):
         seconds, peak = measure(tokens, dim, vocab, chunk, repeats)
         base = base or (seconds, peak)
         name, mib = chunk or "0 (plain)", peak / 2**20

@@ -8,7 +8,8 @@ output layer, at `--seq`, on the same rows of the embedded corpus, with the same
 `--micro-batch` x accumulation), AdamW settings, schedule, clipping and number of steps
 (benchmarks/trainer_baseline.py says how, and what it took to make the Trainer really run FSDP2 on CPU; it
 checks that it did). Two comparisons: both at their defaults, and both at their best documented settings
-for this model and machine (ours: per-layer torch.compile; the Trainer: torch_compile=True). Runs alternate
+for this model and machine (ours: per-layer torch.compile with 512-token loss chunks; the Trainer:
+torch_compile=True). Runs alternate
 ours / Trainer, `--repeats` times each. Tokens/s is over the steps after the first 5 (start-up and
 compilation left out); peak RSS is per rank during training (after the model is built), the larger rank,
 with glibc returning large blocks (MALLOC_MMAP_THRESHOLD_) so the peak is what was live. Prints min / median
@@ -57,7 +58,8 @@ def ours(steps: int, best: bool, model: dict, seq: int, batch: tuple[int, int]) 
         f"train.global_batch_size={global_batch}",
         f"train.micro_batch_size={micro}",
         "train.warmup_steps=2",
-        *(["train.compile=true"] if best else []),
+        # Compiled, half the default chunk measured both faster and smaller (docs/performance.md).
+        *(["train.compile=true", "train.loss_chunk_tokens=512"] if best else []),
     ]
     records = run_recipe(2, overrides, extra_env=ENV)
     timed = [

@@ -186,7 +186,7 @@ def main() -> None:
         )
         print("|---|---|---|")
         for name, recipe in (("ours", ours), ("Trainer", trainer)):
-            most = 2 if args.tiny else 256
+            most = 1 if args.tiny else 256
             largest, peaks = largest_micro_batch(recipe, model, seq, args.budget_gib, most)
             measured = ", ".join(f"{m}: {p:.2f}" for m, p in peaks.items())
             print(f"| {name} | {largest} | {measured} |", flush=True)

@@ -289,6 +289,8 @@ def estimate(cfg: Config, recipe: str, world_size: int, device_type: str, budget
     base = measure(cfg, recipe, world_size, device_type)
     if quick:
         return {**base, "max_micro_batch_size": None}
+    if base["peak"] > budget_gib * GIB and base["micro_batch_size"] == 1:
+        return {**base, "max_micro_batch_size": 0}  # no smaller micro-batch to measure
     doubled = copy.deepcopy(cfg)
     if recipe != "eval":
         doubled.train.micro_batch_size *= 2
@@ -331,6 +333,7 @@ def advice(cfg: Config, recipe: str, world_size: int, device_type: str, budget_g
 
 def table(report: dict) -> str:
     gib = lambda n: f"{n / GIB:.2f}"  # noqa: E731
+    largest = report["max_micro_batch_size"]
     state = report["state_bytes_per_rank"][0]
     rows = [
         ("recipe", report["recipe"]),
@@ -340,7 +343,7 @@ def table(report: dict) -> str:
         *((f"  {name}, GiB", gib(report["breakdown_bytes"][name])) for name in report["breakdown_bytes"]),
         ("GPU memory, GiB", f"{report['gpu_memory_gib']}"),
         ("fits / headroom, GiB", f"{'yes' if report['fits'] else 'NO'} / {report['headroom_gib']:.2f}"),
-        ("largest micro-batch that fits", report["max_micro_batch_size"] or "not measured (--quick)"),
+        ("largest micro-batch that fits", "not measured (--quick)" if largest is None else largest),
         (
             "param / grad / optimizer bytes per rank",
             "{:,} / {:,} / {:,}".format(

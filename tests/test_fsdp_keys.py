@@ -9,8 +9,14 @@ from launch import event, losses, pretrain, steps
 STEP = ["train.steps=3", "train.micro_batch_size=4", "checkpoint.export=false"]
 
 
-def test_reshard_after_forward_false_skips_the_backward_all_gather(tmp_path):
-    on = pretrain(tmp_path / "on", *STEP, "metrics.comm_stats=true", "fsdp.reshard_after_forward=true")
+@pytest.fixture(scope="module")
+def default(tmp_path_factory) -> list[dict]:
+    """STEP at the defaults (reshard_after_forward=true), counting collectives: what the keys change."""
+    return pretrain(tmp_path_factory.mktemp("default"), *STEP, "metrics.comm_stats=true")
+
+
+def test_reshard_after_forward_false_skips_the_backward_all_gather(tmp_path, default):
+    on = default
     off = pretrain(tmp_path / "off", *STEP, "metrics.comm_stats=true", "fsdp.reshard_after_forward=false")
     assert losses(on) == losses(off)
     ready = event(on, "model_ready")
@@ -72,8 +78,7 @@ def test_activation_checkpointing_same_loss_lower_peak_memory(tmp_path):
     assert ac_peak < plain_peak - 0.2, (ac_peak, plain_peak)  # measured here: 1.06 -> 0.69 GiB
 
 
-def test_cpu_offload_matches_losses(tmp_path):
-    default = pretrain(tmp_path / "default", *STEP)
+def test_cpu_offload_matches_losses(tmp_path, default):
     offload = pretrain(tmp_path / "offload", *STEP, "fsdp.cpu_offload=true")
     assert losses(offload) == pytest.approx(losses(default), abs=1e-6)
 

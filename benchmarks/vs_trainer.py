@@ -58,7 +58,7 @@ def ours(steps: int, best: bool, model: dict, seq: int, batch: tuple[int, int]) 
         f"train.global_batch_size={global_batch}",
         f"train.micro_batch_size={micro}",
         "train.warmup_steps=2",
-        # Compiled, half the default chunk measured both faster and smaller (docs/performance.md).
+        # 512-token chunks: compiled, as fast as our eager defaults, and a smaller peak (docs/performance.md).
         *(["train.compile=true", "train.loss_chunk_tokens=512"] if best else []),
     ]
     records = run_recipe(2, overrides, extra_env=ENV)

@@ -3,7 +3,6 @@ complete, so a crash never leaves a half-written one under a final name."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import json
@@ -39,7 +38,7 @@ FULL_BELOW_BYTES = 2**20  # free space under which a failed write counts as a fu
 
 class CheckpointNotWritten(Exception):
     """A checkpoint write failed on some rank (a full disk, say); raised on every rank, the partial
-    directory removed. The scripts stop with its message as one line."""
+    directory removed."""
 
 
 def checkpoints_dir(run_dir: str) -> str:
@@ -136,22 +135,37 @@ def save_checkpoint(
     keep_latest: int,
     tokenizer=None,
 ) -> str:
-    root, tmp, final = _begin_save(run_dir, step)
-    state, _ = _training_state(model, optimizer, _rng_key())
-    with _writer_thread_errors() as errors:
-        try:
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, thread_count=WRITER_THREADS))
-        except CheckpointException as failed:  # raised on every rank when any rank's own write failed
-            errors.append(failed)
+    save, state = _begin_save(run_dir, step, model, optimizer, train_state, keep_latest, tokenizer)
+    # DCP's extra writer threads hand an exception only to threading.excepthook, which prints it, and the
+    # save then completes without their files: collect those exceptions instead.
+    errors, excepthook = [], threading.excepthook
+    threading.excepthook = lambda hook: errors.append(hook.exc_value)
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(save.tmp, thread_count=WRITER_THREADS))
+    except CheckpointException as failed:  # raised on every rank when any rank's own write failed
+        errors.append(failed)
+    finally:
+        threading.excepthook = excepthook
     if not errors:
         inject_fault(step, run_dir, during_save=True)
-    publish = functools.partial(
-        publish_checkpoint, tmp, final, train_state, model.config, tokenizer, keep_latest
-    )
-    return _complete(root, tmp, final, step, errors, publish)
+    return _complete(save, errors)
 
 
-def _begin_save(run_dir: str, step: int) -> tuple[str, str, str]:
+@dataclass
+class PendingSave:
+    """A checkpoint being written (in the background with checkpoint.async_save), not yet published."""
+
+    root: str
+    tmp: str
+    final: str
+    step: int
+    publish: Callable[[], None]
+    future: Future | None = None
+
+
+def _begin_save(
+    run_dir, step, model, optimizer, train_state, keep_latest, tokenizer
+) -> tuple[PendingSave, dict]:
     root = checkpoints_dir(run_dir)
     final = os.path.join(root, f"step-{step}")
     if dist.get_rank() == 0:
@@ -160,33 +174,37 @@ def _begin_save(run_dir: str, step: int) -> tuple[str, str, str]:
             if name.endswith(".tmp") and STEP_DIR.match(name.removesuffix(".tmp")):
                 shutil.rmtree(os.path.join(root, name))
     dist.barrier()
-    return root, f"{final}.tmp", final
+    tmp = f"{final}.tmp"
+    publish = functools.partial(
+        publish_checkpoint, tmp, final, train_state, model.config, tokenizer, keep_latest
+    )
+    state, _ = _training_state(model, optimizer, _rng_key())
+    return PendingSave(root, tmp, final, step, publish), state
 
 
-def _complete(root: str, tmp: str, final: str, step: int, errors: list, publish: Callable[[], None]) -> str:
+def _complete(save: PendingSave, errors: list) -> str:
     """Once every rank's shard is on disk: rank 0 publishes (step-N.tmp -> step-N), or every rank raises."""
-    error = _first_on_any_rank(_os_error(errors, root))
+    error = _first_on_any_rank(_os_error(errors, save.root))
     if error is None and dist.get_rank() == 0:
         try:
-            publish()
+            save.publish()
         except OSError as failed:
             error = failed
     error = _first_on_any_rank(error)
-    if error is not None:
-        raise CheckpointNotWritten(_not_written(root, tmp, step, error)) from None
-    return final
-
-
-@dataclass
-class PendingSave:
-    """A checkpoint written in the background (checkpoint.async_save), not yet published."""
-
-    future: Future
-    root: str
-    tmp: str
-    final: str
-    step: int
-    publish: Callable[[], None]
+    if error is None:
+        return save.final
+    if dist.get_rank() == 0:
+        shutil.rmtree(save.tmp, ignore_errors=True)
+    dist.barrier()
+    full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    why = f"the disk is full ({error.strerror})" if full else str(error)
+    intact = [s for s in _steps(save.root) if s < save.step]
+    previous = f"step-{intact[-1]} is intact" if intact else "there is no earlier checkpoint"
+    fix = "Free space" if full else "Fix that"
+    raise CheckpointNotWritten(
+        f"checkpoint step-{save.step} could not be written: {why}, under {save.root}; removed the partial "
+        f"{os.path.basename(save.tmp)}, and {previous}. {fix} and rerun the same command to resume"
+    ) from None
 
 
 _ASYNC_GROUP: dict = {}  # the background writes' own gloo group, per default group (tests make several)
@@ -211,17 +229,13 @@ def start_async_save(
 ) -> PendingSave:
     """Copy the training state to host memory, then write it in a background thread with DCP's
     async_save; training goes on once the copy is made. Publish with finish_async_save."""
-    root, tmp, final = _begin_save(run_dir, step)
-    state, _ = _training_state(model, optimizer, _rng_key())
+    pending, state = _begin_save(run_dir, step, model, optimizer, train_state, keep_latest, tokenizer)
     # One writer thread: DCP's extra threads report a failed write only to threading.excepthook, which
     # cannot be scoped to a write that outlives this call; in the writing thread it reaches the future.
-    writer = dcp.FileSystemWriter(tmp, thread_count=1)
-    future = dcp.async_save(state, storage_writer=writer, process_group=_async_group())
+    writer = dcp.FileSystemWriter(pending.tmp, thread_count=1)
+    pending.future = dcp.async_save(state, storage_writer=writer, process_group=_async_group())
     inject_fault(step, run_dir, during_save=True)  # the kill test: the background write is under way
-    publish = functools.partial(
-        publish_checkpoint, tmp, final, train_state, model.config, tokenizer, keep_latest
-    )
-    return PendingSave(future, root, tmp, final, step, publish)
+    return pending
 
 
 def finish_async_save(pending: PendingSave, wait: bool) -> str | None:
@@ -237,19 +251,7 @@ def finish_async_save(pending: PendingSave, wait: bool) -> str | None:
         pending.future.result()
     except (Exception, CheckpointException) as failed:  # DCP's is a BaseException
         errors.append(failed)
-    return _complete(pending.root, pending.tmp, pending.final, pending.step, errors, pending.publish)
-
-
-@contextlib.contextmanager
-def _writer_thread_errors():
-    """DCP's extra writer threads hand an exception only to threading.excepthook, which prints it, and the
-    save then completes without their files. Collect those exceptions instead."""
-    errors, previous = [], threading.excepthook
-    threading.excepthook = lambda hook: errors.append(hook.exc_value)
-    try:
-        yield errors
-    finally:
-        threading.excepthook = previous
+    return _complete(pending, errors)
 
 
 def _os_error(errors: list[Exception], root: str) -> Exception | None:
@@ -275,21 +277,6 @@ def _first_on_any_rank(error: Exception | None) -> Exception | None:
     return next((e for e in errors if e is not None), None)
 
 
-def _not_written(root: str, tmp: str, step: int, error: Exception) -> str:
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
-    full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-    why = f"the disk is full ({error.strerror})" if full else str(error)
-    intact = [s for s in _steps(root) if s < step]
-    previous = f"step-{intact[-1]} is intact" if intact else "there is no earlier checkpoint"
-    fix = "Free space" if full else "Fix that"
-    return (
-        f"checkpoint step-{step} could not be written: {why}, under {root}; removed the partial "
-        f"{os.path.basename(tmp)}, and {previous}. {fix} and rerun the same command to resume"
-    )
-
-
 def publish_checkpoint(
     tmp: str, final: str, train_state: dict, model_config, tokenizer, keep_latest: int
 ) -> None:
@@ -303,10 +290,10 @@ def publish_checkpoint(
         shutil.rmtree(os.path.join(root, f"step-{old}"))
 
 
-def _check_shapes(path: str, model: nn.Module) -> None:
-    """A checkpoint of another model fails here, not deep inside DCP."""
+def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> dict:
+    """Restore model, optimizer, scheduler and RNG in place (DCP reshards); returns train_state."""
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    for name, param in get_model_state_dict(model).items():
+    for name, param in get_model_state_dict(model).items():  # another model's fails here, not deep in DCP
         entry, here = saved.get(f"model.{name}"), list(param.shape)
         there = list(entry.size) if hasattr(entry, "size") else None
         if there != here:
@@ -314,12 +301,7 @@ def _check_shapes(path: str, model: nn.Module) -> None:
                 f"checkpoint {path} holds a different model ({name} is {there} there, {here} here); "
                 f"use a new checkpoint.dir for this model, or checkpoint.resume=none"
             )
-
-
-def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> dict:
-    """Restore model, optimizer, scheduler and RNG in place (DCP reshards); returns train_state."""
-    _check_shapes(path, model)
-    rng_key = _rng_key(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    rng_key = _rng_key(saved)
     state, param_groups = _training_state(model, optimizer, rng_key)
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])

@@ -1,5 +1,5 @@
-"""The JSON config schema as dataclasses (one per section, a field per key: the reference for every key and
-default) and its validation. It imports no torch, so a bad config fails in well under a second."""
+"""The config schema, one dataclass per section (its fields are the reference for every key), and its
+validation. No torch import, so a bad config fails in well under a second."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ class FsdpConfig:
     # saves each layer's matmul and attention outputs and recomputes the rest (elementwise ops, norms)
     ac_policy: Literal["full", "op"] | int = "full"
     mixed_precision: dict | str | None = None  # None: bf16 params + fp32 reduce on CUDA, fp32 on CPU
-    # PyTorch/XLA keys of the Transformers fsdp_config, for scripts/tpu_xla_fsdp.py only.
+    # Transformers' PyTorch/XLA keys, for scripts/tpu_xla_fsdp.py only.
     xla: bool = False
     xla_fsdp_settings: dict = field(default_factory=dict)
     xla_fsdp_grad_ckpt: bool = False
@@ -149,12 +149,10 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)  # scripts/eval_cp.py only
 
 
-STATE_DICT_TYPES = {"FULL": "FULL_STATE_DICT", "SHARDED": "SHARDED_STATE_DICT"}  # Accelerate's short names
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "no": "float32", "fp16": "float16"}
 
 
 def did_you_mean(key: str, choices, list_valid: bool = True) -> str:
-    """The end of an error line: a close match from `choices`, else (with list_valid) all of them."""
     close = difflib.get_close_matches(key, list(choices), n=1)
     if close:
         return f" (did you mean '{close[0]}'?)"
@@ -165,14 +163,6 @@ def class_names(value: list | str | None) -> list[str]:
     if isinstance(value, str):
         return [name.strip() for name in value.split(",") if name.strip()]
     return list(value or [])
-
-
-def state_dict_type(value: Any) -> Any:
-    """fsdp.state_dict_type upper-cased, Accelerate's FULL / SHARDED spelled out; unknown ones as given."""
-    if not isinstance(value, str):
-        return value
-    name = STATE_DICT_TYPES.get(value.upper(), value.upper())
-    return name if name in STATE_DICT_TYPES.values() else value
 
 
 def mixed_precision_dtypes(value: dict | str | None, device_type: str) -> dict:
@@ -201,13 +191,11 @@ def mixed_precision_dtypes(value: dict | str | None, device_type: str) -> dict:
 
 
 def resolve_mixed_precision(fsdp: FsdpConfig, device_type: str) -> dict:
-    """{'param_dtype': name, 'reduce_dtype': name}; the default follows the device."""
     return mixed_precision_dtypes(fsdp.mixed_precision, device_type)
 
 
 def _fits(value: Any, hint: Any) -> bool:
-    """Whether a JSON value matches a field's annotation. A bool fits only bool (a size given as `true` is a
-    typo); an int fits a float."""
+    """A bool fits only bool (a size given as `true` is a typo); an int fits a float."""
     if get_origin(hint) is Literal:
         return value in get_args(hint)
     if get_origin(hint) in (Union, types.UnionType):
@@ -231,24 +219,21 @@ def _describe(hint: Any) -> str:
     return TYPE_NAMES.get(get_origin(hint) or hint, str(hint))
 
 
-# The smallest value of each numeric key.
-AT_LEAST = {"train.steps": 0, "train.global_batch_size": 1, "train.micro_batch_size": 1, "data.seq_len": 2}
-AT_LEAST.update({"train.warmup_steps": 0, "train.stop_after": 0, "checkpoint.interval": 0})
-AT_LEAST.update({"train.loss_chunk_tokens": 0})
-AT_LEAST.update({"checkpoint.keep_latest": 1, "metrics.log_every": 1})
+AT_LEAST = {"train.global_batch_size": 1, "train.micro_batch_size": 1, "data.seq_len": 2}
+AT_LEAST |= dict.fromkeys(
+    ("train.steps", "train.warmup_steps", "train.stop_after", "train.loss_chunk_tokens"), 0
+)
+AT_LEAST |= {"checkpoint.interval": 0, "checkpoint.keep_latest": 1, "metrics.log_every": 1}
 ABOVE_ZERO = ("train.lr", "parallelism.timeout_minutes")
 
 
 def _check_types(cfg: Config) -> None:
-    """Every key against its field's annotation and bounds."""
     for section in dataclasses.fields(cfg):
         values = getattr(cfg, section.name)
         for key, hint in get_type_hints(type(values)).items():
             path, value = f"{section.name}.{key}", getattr(values, key)
             if not _fits(value, hint):
-                close = ""
-                if get_origin(hint) is Literal:
-                    close = did_you_mean(str(value), get_args(hint), list_valid=False)
+                close = did_you_mean(str(value), get_args(hint), False) if get_origin(hint) is Literal else ""
                 raise ConfigError(f"{path} is {value!r}; use {_describe(hint)}{close}")
             if path in AT_LEAST and value < AT_LEAST[path]:
                 raise ConfigError(f"{path} is {value}; it must be >= {AT_LEAST[path]}")
@@ -261,7 +246,6 @@ def validate(cfg: Config) -> None:
     t, f, p = cfg.train, cfg.fsdp, cfg.parallelism
     if f.version != 2:
         raise ConfigError(f"fsdp.version is {f.version}; FSDP1 is not supported, set it to 2 (fully_shard)")
-    f.state_dict_type = state_dict_type(f.state_dict_type)
     if f.auto_wrap_policy == "SIZE_BASED_WRAP" and f.min_num_params is None:
         f.min_num_params = 100_000_000  # Accelerate's default
     _check_types(cfg)
@@ -269,11 +253,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.betas is {t.betas!r}; give two numbers, e.g. [0.9, 0.95]")
     if not isinstance(f.reshard_after_forward, bool) and f.reshard_after_forward < 1:
         raise ConfigError(f"fsdp.reshard_after_forward is {f.reshard_after_forward}; an int must be >= 1")
-    if not f.xla and (f.xla_fsdp_settings or f.xla_fsdp_grad_ckpt):
-        raise ConfigError(
-            "fsdp.xla_fsdp_settings / xla_fsdp_grad_ckpt are set but fsdp.xla is false; they apply "
-            "only to scripts/tpu_xla_fsdp.py with fsdp.xla=true"
-        )
     if f.auto_wrap_policy == "SIZE_BASED_WRAP" and f.min_num_params <= 0:
         raise ConfigError(
             f"fsdp.min_num_params is {f.min_num_params}; SIZE_BASED_WRAP needs a positive "
@@ -315,22 +294,3 @@ def validate(cfg: Config) -> None:
         )
     if p.cp_size > 1 and p.sp_size > 1:
         raise ConfigError(f"parallelism.cp_size={p.cp_size} and sp_size={p.sp_size} are both > 1; pick one")
-
-
-def check_batch_sizes(t: TrainConfig, dp_size: int) -> None:
-    if t.global_batch_size % (t.micro_batch_size * dp_size):
-        raise ConfigError(
-            f"train.global_batch_size ({t.global_batch_size}) is not a multiple of micro_batch_size "
-            f"({t.micro_batch_size}) x data-parallel size ({dp_size}); make it a multiple of "
-            f"{t.micro_batch_size * dp_size}"
-        )
-
-
-def check_vocab_size(tokenizer_size: int, vocab_size: int) -> None:
-    """Token ids past the embedding table would fail deep inside the first forward."""
-    if tokenizer_size > vocab_size:
-        raise ConfigError(
-            f"the tokenizer has {tokenizer_size} tokens but the model's vocab_size is {vocab_size}; use the "
-            f"model's own tokenizer (data.tokenizer), or for a new model set model.config.vocab_size >= "
-            f"{tokenizer_size}"
-        )

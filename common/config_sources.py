@@ -17,7 +17,6 @@ from common.config import (
     class_names,
     did_you_mean,
     mixed_precision_dtypes,
-    state_dict_type,
     validate,
 )
 
@@ -28,8 +27,8 @@ FSDP1_ONLY_KEYS = {
     "forward_prefetch": "FSDP2 prefetches by module order; remove it",
     "limit_all_gathers": "FSDP2 needs no rate limiter; remove it",
 }
-# Accepted and ignored: FSDP2 always keeps original parameters, and module states are synchronised
-# by construction (deterministic init, or a rank-0 broadcast with cpu_ram_efficient_loading).
+# Accepted and ignored: FSDP2 always keeps original parameters, and module states agree by construction
+# (deterministic init, or rank 0's broadcast with cpu_ram_efficient_loading).
 FSDP2_IMPLIED_KEYS = {"use_orig_params", "sync_module_states", "activation_checkpointing_offload"}
 # Accelerate's names (Transformers silently ignores offload_params).
 FSDP_KEY_ALIASES = {
@@ -40,10 +39,18 @@ FSDP_KEY_ALIASES = {
 LAUNCH_ENV_KEYS = """version reshard_after_forward offload_params auto_wrap_policy transformer_cls_to_wrap
     state_dict_type cpu_ram_efficient_loading activation_checkpointing""".split()
 LAUNCH_ENV = "the accelerate launch environment"
-# Accelerate's parallelism_config keys (YAML `parallelism_config_<key>`, or PARALLELISM_CONFIG_<KEY>
-# variables); the ignored ones are meaningless here at these values only.
+# Accelerate's parallelism_config keys; the ignored ones are meaningless here at these values only.
 PARALLELISM_KEYS = "dp_replicate_size dp_shard_size tp_size cp_size sp_size cp_comm_strategy".split()
 PARALLELISM_IGNORED = {"cp_backend": "torch", "sp_backend": "deepspeed"}
+STATE_DICT_TYPES = {"FULL": "FULL_STATE_DICT", "SHARDED": "SHARDED_STATE_DICT"}  # Accelerate's short names
+
+
+def state_dict_type(value: Any) -> Any:
+    """Upper-cased, Accelerate's FULL / SHARDED spelled out; unknown ones as given."""
+    if not isinstance(value, str):
+        return value
+    name = STATE_DICT_TYPES.get(value.upper(), value.upper())
+    return name if name in STATE_DICT_TYPES.values() else value
 
 
 def parse_scalar(text: str) -> Any:
@@ -57,7 +64,6 @@ def parse_scalar(text: str) -> Any:
 
 
 def fill(obj, values: dict, prefix: str) -> None:
-    """Set dataclass fields from a dict, recursing into sections."""
     names = {f.name for f in dataclasses.fields(obj)}
     for key, value in values.items():
         if key not in names:
@@ -72,8 +78,7 @@ def fill(obj, values: dict, prefix: str) -> None:
 
 
 def apply_override(cfg: Config, item: str, changes: list | None = None) -> None:
-    """`section.key=value`; dict-valued keys such as `model.config` take deeper paths. A value that
-    differs from the one it replaces is noted in `changes`."""
+    """`section.key=value`; dict-valued keys such as `model.config` take deeper paths."""
     if "=" not in item:
         raise ConfigError(f"override '{item}' is not key.path=value (e.g. train.steps=20)")
     path, text = item.split("=", 1)
@@ -104,7 +109,7 @@ def apply_override(cfg: Config, item: str, changes: list | None = None) -> None:
 
 
 def normalize_fsdp_keys(values: dict, source: str) -> dict:
-    """Map a Transformers/Accelerate fsdp_config dict onto our `fsdp` keys."""
+    """A Transformers/Accelerate fsdp_config dict in our `fsdp` keys."""
     known = {f.name for f in dataclasses.fields(FsdpConfig)}
     out = {}
     for raw_key, value in values.items():
@@ -122,13 +127,6 @@ def normalize_fsdp_keys(values: dict, source: str) -> dict:
     return out
 
 
-def _read_yaml(path: str) -> dict:
-    import yaml
-
-    with open(path) as f:
-        return yaml.safe_load(f) or {}
-
-
 def _accelerate_fsdp(doc: dict, path: str) -> dict:
     if str(doc.get("distributed_type", "FSDP")).upper() != "FSDP":
         raise ConfigError(
@@ -141,7 +139,7 @@ def _accelerate_fsdp(doc: dict, path: str) -> dict:
 
 
 def accelerate_parallelism(values: dict, source: str) -> dict:
-    """Our parallelism keys from Accelerate's; a key or value we cannot honour is an error, never ignored."""
+    """A key or value we cannot honour is an error, never ignored."""
     out = {}
     for raw_key, value in values.items():
         key = raw_key.lower().removeprefix("parallelism_config_")
@@ -174,7 +172,7 @@ def accelerate_launch_env(environ: dict) -> dict:
 
 
 def _layer_sources(run_config: dict, externals: list[tuple[str, dict]], section: str, changes: list) -> dict:
-    """The run config's keys under the external sources' (more specific), which must agree with each other."""
+    """The run config's keys under the external sources', which must agree with each other."""
     external, origin = {}, {}
     for name, values in externals:
         for key, value in values.items():
@@ -205,8 +203,7 @@ def _canonical(key: str, value: Any) -> Any:
 
 
 def parse_args(argv: list[str] | None = None, description: str = "", xla: bool = False) -> Config:
-    """The command line -> a validated Config. `xla`: whether the calling script is the PyTorch/XLA one;
-    fsdp.xla must agree, so it is never ignored."""
+    """`xla`: whether the calling script is the PyTorch/XLA one, which fsdp.xla must match."""
     parser = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -228,6 +225,11 @@ def parse_args(argv: list[str] | None = None, description: str = "", xla: bool =
         raise ConfigError(
             "fsdp.xla is true, which is the PyTorch/XLA recipe: run scripts/tpu_xla_fsdp.py, or set "
             "fsdp.xla=false"
+        )
+    if not cfg.fsdp.xla and (cfg.fsdp.xla_fsdp_settings or cfg.fsdp.xla_fsdp_grad_ckpt):
+        raise ConfigError(
+            "fsdp.xla_fsdp_settings / xla_fsdp_grad_ckpt are set but fsdp.xla is false; they apply "
+            "only to scripts/tpu_xla_fsdp.py with fsdp.xla=true"
         )
     if xla and not cfg.fsdp.xla:
         raise ConfigError(
@@ -258,7 +260,7 @@ def load_config(
     environ: dict | None = None,
     changes: list | None = None,
 ) -> Config:
-    """Each value a higher source changed is appended to `changes` as one short text."""
+    """Each value that a higher source changed is appended to `changes` as one short text."""
     changes = [] if changes is None else changes
     environ = environ or {}
     values = _read_json(path, "--config")
@@ -276,7 +278,10 @@ def load_config(
             raise ConfigError(
                 f"--accelerate-config {accelerate_config} does not exist; pass an existing YAML file"
             )
-        doc = _read_yaml(accelerate_config)
+        import yaml
+
+        with open(accelerate_config) as f:
+            doc = yaml.safe_load(f) or {}
         fsdp_sources.append((accelerate_config, _accelerate_fsdp(doc, accelerate_config)))
     launch_env = accelerate_launch_env(environ)
     if launch_env:
@@ -294,6 +299,7 @@ def load_config(
     fill(cfg.parallelism, run_parallelism, "parallelism.")
     for item in overrides:
         apply_override(cfg, item, changes)
+    cfg.fsdp.state_dict_type = state_dict_type(cfg.fsdp.state_dict_type)
     validate(cfg)
     return cfg
 

@@ -40,17 +40,15 @@ def allgather_kv_attention(module, query, key, value, attention_mask, dropout=0.
         documents = (_whole_sequence(kwargs["position_ids"], dim=1) == 0).cumsum(dim=1)  # [batch, seq]
         query_documents = documents[:, CP["positions"]]
     blocks = []
-    for local, start, end, bias in CP["query_blocks"]:
+    for local, start, end, mask in CP["query_blocks"]:
+        rows = slice(local, local + end - start)
         if CP["document_mask"]:
             keys = torch.arange(end, device=query.device)
             causal = torch.arange(start, end, device=query.device)[:, None] >= keys
-            same_document = query_documents[:, local : local + end - start, None] == documents[:, None, :end]
-            mask = (causal & same_document).unsqueeze(1)
-        else:
-            mask = bias
+            mask = (causal & (query_documents[:, rows, None] == documents[:, None, :end])).unsqueeze(1)
         blocks.append(
             F.scaled_dot_product_attention(
-                query[:, :, local : local + end - start],
+                query[:, :, rows],
                 key[:, :, :end],
                 value[:, :, :end],
                 attn_mask=mask,
@@ -83,8 +81,8 @@ def check_cp(
 ) -> None:
     multiple = 2 * cp_size if load_balance else cp_size
     if seq_len % multiple:
-        lower, upper = seq_len // multiple * multiple, (seq_len // multiple + 1) * multiple
-        nearest = f"{lower} or {upper}" if lower else str(upper)
+        lower = seq_len // multiple * multiple
+        nearest = f"{lower} or {lower + multiple}" if lower else str(multiple)
         raise ConfigError(
             f"data.seq_len={seq_len} is not divisible by {multiple} (cp_size={cp_size}"
             f"{', x2 for load balancing' if load_balance else ''}); use {nearest}"

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common.config import ConfigError, DataConfig
+from common.config import ConfigError, DataConfig, TrainConfig
 from common.embedded import (
     EMBEDDED_CORPUS,
     builds_caches,
@@ -37,7 +37,7 @@ def _cache_key(cfg: DataConfig, extra: str) -> str:
 
 
 def local_files(dataset: str | list) -> list[str] | None:
-    """The local files `data.dataset` names (paths or globs), or None."""
+    """The files the paths or globs match, or None."""
     patterns = dataset if isinstance(dataset, list) else [dataset]
     files = sorted(f for p in patterns for f in glob.glob(os.path.expanduser(p)))
     if not files:
@@ -140,7 +140,7 @@ def prepare_local_data(cfg: DataConfig, is_main: bool, build=None, tag: str = ""
         # at a barrier, and no rank reads before its node's builder has written.
         verdicts = [None] * dist.get_world_size()
         dist.all_gather_object(verdicts, error)
-        error = next((verdict for verdict in verdicts if verdict), None)
+        error = next((v for v in verdicts if v), None)
     if error:
         raise ConfigError(error)
     return tokens_path
@@ -265,8 +265,8 @@ class StreamingBatches:
         return row
 
     def state_dict(self) -> dict:
-        stream = {"dataset": self.dataset.state_dict(), "buffer": self.buffer, "consumed": self.consumed}
-        return {**stream, "dp_rank": self.dp_rank}
+        dataset = self.dataset.state_dict()
+        return {"dataset": dataset, "buffer": self.buffer, "consumed": self.consumed, "dp_rank": self.dp_rank}
 
     def load_state_dict(self, states: list[dict]) -> None:
         """`states`: every rank's state_dict(). The ranks of a context-parallel group read one stream and
@@ -296,12 +296,30 @@ def build_batches(
     cfg: DataConfig, seed: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, is_main: bool
 ):
     ensure_embedded_tokenizer(cfg, is_main)
-    if cfg.streaming:
-        tokenizer = load_tokenizer(cfg)
-        return tokenizer, StreamingBatches(cfg, tokenizer, global_batch, micro_batch, dp_rank, dp_size)
-    tokens_path = prepare_local_data(cfg, is_main)
+    tokens_path = None if cfg.streaming else prepare_local_data(cfg, is_main)
     tokenizer = load_tokenizer(cfg)
+    if cfg.streaming:
+        return tokenizer, StreamingBatches(cfg, tokenizer, global_batch, micro_batch, dp_rank, dp_size)
     document_eos = tokenizer.eos_token_id if cfg.document_mask else None
     return tokenizer, LocalBatches(
         tokens_path, pad_token_id(tokenizer), seed, global_batch, micro_batch, dp_rank, dp_size, document_eos
     )
+
+
+def check_batch_sizes(t: TrainConfig, dp_size: int) -> None:
+    if t.global_batch_size % (t.micro_batch_size * dp_size):
+        raise ConfigError(
+            f"train.global_batch_size ({t.global_batch_size}) is not a multiple of micro_batch_size "
+            f"({t.micro_batch_size}) x data-parallel size ({dp_size}); make it a multiple of "
+            f"{t.micro_batch_size * dp_size}"
+        )
+
+
+def check_vocab_size(tokenizer_size: int, vocab_size: int) -> None:
+    """Token ids past the embedding table would fail deep inside the first forward."""
+    if tokenizer_size > vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {tokenizer_size} tokens but the model's vocab_size is {vocab_size}; use the "
+            f"model's own tokenizer (data.tokenizer), or for a new model set model.config.vocab_size >= "
+            f"{tokenizer_size}"
+        )

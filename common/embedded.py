@@ -28,9 +28,8 @@ def embedded_documents(max_bytes: int) -> list[str]:
         if "site-packages" in path or "test" in top or top == "encodings":
             continue
         with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read()
-        docs.append(text)
-        total += len(text)
+            docs.append(f.read())
+        total += len(docs[-1])
         if total >= max_bytes:
             break
     return docs
@@ -50,10 +49,9 @@ def train_embedded_tokenizer(docs: list[str], vocab_size: int, out_dir: str):
         show_progress=False,
     )
     tok.train_from_iterator(docs, trainer)
-    hf_tok = PreTrainedTokenizerFast(
+    PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN
-    )
-    hf_tok.save_pretrained(out_dir)
+    ).save_pretrained(out_dir)
 
 
 def embedded_tokenizer_dir(cfg: DataConfig) -> str:
@@ -62,9 +60,8 @@ def embedded_tokenizer_dir(cfg: DataConfig) -> str:
 
 
 def builds_caches(is_main: bool) -> bool:
-    """Whether this rank builds what data.cache_dir holds: the first rank of every node. The default cache
-    lives in each node's own home (~/.cache), which other nodes may not see; on a shared filesystem the
-    nodes build the same bytes and the atomic rename keeps one."""
+    """The first rank of every node builds data.cache_dir: the default is each node's own ~/.cache, which
+    other nodes may not see; on a shared filesystem an atomic rename keeps one of the identical copies."""
     return is_main or (dist.is_initialized() and os.environ.get("LOCAL_RANK", "0") == "0")
 
 

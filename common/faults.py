@@ -15,7 +15,6 @@ import torch.distributed as dist
 
 
 def _fires(step: int, run_dir: str, kinds: tuple[str, ...]) -> str | None:
-    """The fault kind set for this step and rank, if it is one of `kinds` and has not fired yet."""
     spec = os.environ.get("FSDP2_RECIPES_FAULT", "")
     match = re.fullmatch(r"(kill|save|hang|nan|grad)@(\d+)(?::(\d+))?", spec)
     if not match or match[1] not in kinds or int(match[2]) != step:
@@ -33,12 +32,11 @@ def _fires(step: int, run_dir: str, kinds: tuple[str, ...]) -> str | None:
 def inject_fault(step: int, run_dir: str, during_save: bool = False) -> bool:
     """Fire the fault set for this step, if any; True means "treat the loss as NaN"."""
     kind = _fires(step, run_dir, ("save",) if during_save else ("kill", "hang", "nan"))
-    if kind is None or kind == "nan":
-        return kind == "nan"
     if kind == "hang":
         signal.pause()
-    os.kill(os.getpid(), signal.SIGKILL)
-    return False
+    if kind in ("kill", "save", "hang"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return kind == "nan"
 
 
 def arm_gradient_fault(step: int, run_dir: str, model: torch.nn.Module) -> None:

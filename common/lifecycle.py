@@ -32,8 +32,8 @@ class PreemptionWatch:
     """Asks for a checkpoint-and-exit on SIGUSR1, or once the file FSDP2_RECIPES_PREEMPT_FILE exists (Slurm
     signals the batch shell, which creates it: torchrun's agent dies on SIGUSR1 instead of forwarding it)."""
 
-    def __init__(self, device: torch.device):
-        self.device, self.signalled = device, False
+    def __init__(self):
+        self.signalled = False
         self.file = os.environ.get("FSDP2_RECIPES_PREEMPT_FILE")
         signal.signal(signal.SIGUSR1, self._on_signal)
 
@@ -79,8 +79,7 @@ class Bookkeeping:
     """After each optimizer step: log when due, stop on a non-finite loss, and checkpoint every
     checkpoint.interval steps, at the end, and on an early stop (preemption, train.stop_after), in the
     background with checkpoint.async_save (published once written, awaited at the end). A context
-    manager around the loop, which counts collectives when metrics.comm_stats is on and traces the steps
-    metrics.profile_steps names (common/profiling.py)."""
+    manager around the loop: it also counts collectives (metrics.comm_stats) and runs StepDiagnostics."""
 
     cfg: Config
     logger: MetricsLogger
@@ -96,7 +95,7 @@ class Bookkeeping:
     save: Callable[..., str] = save_checkpoint  # PyTorch/XLA has its own
 
     def __post_init__(self):
-        self.preemption = PreemptionWatch(self.device)
+        self.preemption = PreemptionWatch()
         self.comm = CommCounter()
         self.stopped = False
         self.pending, self.pending_stall = None, 0.0  # a checkpoint written in the background
@@ -161,17 +160,24 @@ class Bookkeeping:
         self.stopped = stopping and step < t.steps
         self.step = step + 1
         arm_gradient_fault(self.step, run_dir, self.model)
-        if not self.stopped and step < t.steps:
-            self.diagnostics.before(self.step)
         if self.stopped:
             reason = "preempted" if preempted else "train.stop_after"
             self.logger.log({"event": "stopped", "step": step, "reason": reason})
+        elif step < t.steps:
+            self.diagnostics.before(self.step)
         return self.stopped
 
     def _checkpoint(self, step: int, stats: dict) -> None:
         """Save now, or (checkpoint.async_save) start a background write, after the previous one is done."""
         started, c = time.perf_counter(), self.cfg.checkpoint
-        state = self._train_state(step, stats)
+        state = {
+            "step": step,
+            "samples": stats["samples"],  # the global data position, the same on any world size
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "loss": stats["loss"],
+            "scheduler": self.scheduler.state_dict(),
+            "data": gather(self.data.state_dict()),
+        }
         args = (c.dir, step, self.model, self.optimizer, state, c.keep_latest, self.tokenizer)
         if not c.async_save:
             path = self.save(*args)
@@ -192,13 +198,3 @@ class Bookkeeping:
                 {"event": "checkpoint", "step": step, "path": path, "stall_s": stall, "async": True}
             )
             self.pending = None
-
-    def _train_state(self, step: int, stats: dict) -> dict:
-        return {
-            "step": step,
-            "samples": stats["samples"],  # the global data position, the same on any world size
-            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-            "loss": stats["loss"],
-            "scheduler": self.scheduler.state_dict(),
-            "data": gather(self.data.state_dict()),
-        }

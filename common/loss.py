@@ -18,8 +18,7 @@ from common.wrap import reshard
 def chunk_logits(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int
 ) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
-    """(rows, fp32 logits, labels) for each `chunk` rows of `hidden` [tokens, dim]: the one chunked head,
-    for training (below) and for evaluation (scripts/eval_cp.py)."""
+    """(rows, fp32 logits, labels) for each `chunk` rows of `hidden` [tokens, dim]; eval_cp.py uses it too."""
     for start in range(0, hidden.shape[0], chunk):
         rows = slice(start, start + chunk)
         yield rows, F.linear(hidden[rows], weight).float(), labels[rows]
@@ -46,7 +45,6 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             picked = logits.gather(1, target.clamp(min=0).unsqueeze(1))
             maxes = logits.amax(dim=-1, keepdim=True)
             exp = logits.sub_(maxes).exp_()
-            del logits
             sum_exp = exp.sum(dim=-1, keepdim=True)
             total += (sum_exp.log() + maxes - picked).masked_fill_(~keep, 0).sum()
             if not with_grads:
@@ -82,31 +80,27 @@ def token_loss_sum(model: nn.Module, labels: torch.Tensor, chunk_tokens: int, **
     # Models that transform the head's output (Gemma's soft-capping, Cohere's logit scale) would apply that
     # to the loss: they take full logits.
     transforms = any(getattr(model.config, key, None) for key in ("final_logit_softcapping", "logit_scale"))
-    summed = _loss_sum(model, labels, chunk_tokens, transforms, **inputs)
+    if not chunk_tokens or transforms:
+        logits = model(**inputs).logits
+        summed = F.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+        )
+    else:
+        head = model.get_output_embeddings()
+        if not hasattr(head, "loss_labels"):
+            _compute_loss_in(head)
+        head.loss_labels = SimpleNamespace(labels=labels.flatten(), chunk=chunk_tokens)
+        try:
+            summed = model(**inputs).logits  # the summed loss: Transformers passes on what the head returns
+        finally:
+            head.loss_labels = None
+        if summed.dim() != 0:  # a model that reshapes its head's output: never a silently wrong loss
+            raise RuntimeError(
+                f"{type(model).__name__} reshapes its output layer's result; set train.loss_chunk_tokens=0"
+            )
     if not torch.is_grad_enabled():
         # Evaluation: no backward will free the units kept all-gathered after forward (common/wrap.py).
         reshard(model)
-    return summed
-
-
-def _loss_sum(model: nn.Module, labels: torch.Tensor, chunk_tokens: int, transforms: bool, **inputs):
-    if not chunk_tokens or transforms:
-        logits = model(**inputs).logits
-        return F.cross_entropy(
-            logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
-        )
-    head = model.get_output_embeddings()
-    if not hasattr(head, "loss_labels"):
-        _compute_loss_in(head)
-    head.loss_labels = SimpleNamespace(labels=labels.flatten(), chunk=chunk_tokens)
-    try:
-        summed = model(**inputs).logits  # the summed loss: Transformers passes on what the head returns
-    finally:
-        head.loss_labels = None
-    if summed.dim() != 0:  # a model that reshapes its head's output: never a silently wrong loss
-        raise RuntimeError(
-            f"{type(model).__name__} reshapes its output layer's result; set train.loss_chunk_tokens=0"
-        )
     return summed
 
 

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from common.config import ConfigError, ParallelismConfig
 
-# Whether init_distributed ran in this process, so end_process may end it (not a test calling main()).
+# Whether init_distributed ran here, so end_process may end it (not a test calling main()).
 _STARTED = [False]
 
 
@@ -63,19 +63,19 @@ def init_distributed(device_preference: str, timeout_minutes: float) -> Dist:
 
 
 def collective_threads() -> list[str]:
-    """This process's gloo and NCCL threads, which live exactly as long as their process groups."""
+    """gloo and NCCL threads, which live exactly as long as their process groups."""
     names = []
     for task in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:
         with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as f:
             names.append(f.read().strip())
-    return [name for name in names if name.startswith(("pt_gloo", "gloo_", "pt_nccl"))]
+    return [n for n in names if n.startswith(("pt_gloo", "gloo_", "pt_nccl"))]
 
 
 def end_process(exit_code: int, own_groups: bool | None = None) -> None:
-    """Leave the process after main(), destroying the process group if main() did not. DTensor's caches keep
-    every mesh's groups until interpreter finalization, where a gloo worker still freeing tensors aborts
-    ("terminate called without an active exception", pytorch/pytorch#179291); so while such threads live,
-    exit without that teardown. `own_groups` defaults to whether init_distributed ran."""
+    """Leave after main(), destroying the process group if main() did not. DTensor's caches keep every mesh's
+    groups until interpreter finalization, where a gloo worker still freeing tensors aborts ("terminate
+    called without an active exception", pytorch/pytorch#179291), so while such threads live, skip that
+    teardown. `own_groups` defaults to whether init_distributed ran."""
     own = _STARTED[0] if own_groups is None else own_groups
     if own and dist.is_initialized():  # a path that left main() early: a config error, a NaN stop
         dist.destroy_process_group()
@@ -188,7 +188,7 @@ def data_parallel_rank(dense: DeviceMesh) -> int:
 
 
 def fsdp_meshes(dense: DeviceMesh, expert: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
-    """What FSDP shards dense weights and experts over; dp_replicate only with more than one replica."""
+    """What FSDP shards dense weights and experts over; dp_replicate only with >1 replica."""
     replicate = ("dp_replicate",) if dense["dp_replicate"].size() > 1 else ()
     return dense[(*replicate, "fsdp")], expert[(*replicate, "efsdp")]
 

@@ -32,8 +32,8 @@ def device_peak_flops(device: torch.device) -> float | None:
 
 
 def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
-    """Training FLOPs per token as PaLM (appendix B) and torchtitan count them: 6 * N (N without the input
-    embedding, a lookup) + 12 * L * H * S for attention."""
+    """Training FLOPs per token as PaLM (appendix B) and torchtitan count them: 6N (N without the input
+    embedding, a lookup) + 12LHS for attention."""
     config = model.config
     dense = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
     return 6 * dense + 12 * config.num_hidden_layers * config.hidden_size * seq_len
@@ -60,10 +60,8 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 def _short(value) -> str:
-    """A value as a person reads it: 4 significant digits, thousands separators, compact per-rank lists."""
-    if isinstance(value, bool) or value is None:
-        return str(value)
-    if isinstance(value, int):
+    """4 significant digits, thousands separators, equal per-rank values folded."""
+    if isinstance(value, int) and not isinstance(value, bool):
         return f"{value:,}"
     if isinstance(value, float):
         return f"{value:.4g}"
@@ -71,7 +69,7 @@ def _short(value) -> str:
         return "{" + ", ".join(f"{k} {_short(v)}" for k, v in value.items()) + "}"
     if isinstance(value, (list, tuple)):
         if len(value) > 1 and all(v == value[0] for v in value):
-            return f"{_short(value[0])} (x{len(value)})"  # the same on every rank
+            return f"{_short(value[0])} (x{len(value)})"
         return "[" + ", ".join(_short(v) for v in value) + "]"
     return str(value)
 
@@ -83,8 +81,7 @@ def event_line(record: dict) -> str:
 
 
 class MetricsLogger:
-    """Rank 0 writes run_config.json and metrics.jsonl; on other ranks it does nothing, so callers need no
-    rank checks."""
+    """Rank 0 writes run_config.json and metrics.jsonl; other ranks no-op, so callers need no rank checks."""
 
     def __init__(self, cfg: Config, enabled: bool):
         self.enabled, self.file, self.tb = enabled, None, None
@@ -155,7 +152,7 @@ class StepTimer:
 
 
 class CommCounter:
-    """Counts the calls and bytes of FSDP's all-gathers and reduce-scatters by wrapping the c10d functions."""
+    """Counts calls and bytes of FSDP's all-gathers and reduce-scatters by wrapping the c10d functions."""
 
     KEYS = [f"{kind}_{unit}" for unit in ("calls", "bytes") for kind in ("all_gather", "reduce_scatter")]
 

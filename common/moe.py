@@ -57,9 +57,9 @@ def apply_tp_ep(
         raise ConfigError(f"parallelism sizes do not fit this model: {e}") from None
     if sizes.tp > 1:
         apply_tensor_parallelism(model, dense_mesh["tp"], tp_plan)
-        modules = dict(model.named_modules())
-        for name in (n for n, style in tp_plan.items() if style == GRAD_ALL_REDUCE and n in modules):
-            _all_reduce_each_gradient(modules[name], dense_mesh["tp"].get_group())
+        for name, module in model.named_modules():
+            if tp_plan.get(name) == GRAD_ALL_REDUCE:
+                _all_reduce_each_gradient(module, dense_mesh["tp"].get_group())
     if sizes.ep == 1:
         return []
     # The EP group's ranks exchange tokens; tp ranks holding the same batch split it first, so no token

@@ -16,9 +16,9 @@ SNAPSHOT_ENTRIES = 100_000  # allocator events kept (a ring buffer): the last fe
 
 
 def prepare_diagnostics(cfg: Config) -> None:
-    """Before the process group exists: refuse a memory snapshot off CUDA, and on CUDA let NCCL's flight
-    recorder dump each rank's last collectives under the run directory when one times out (it is read at
-    process-group creation; variables the user set win)."""
+    """Before the process group exists (NCCL reads these at its creation; variables the user set win):
+    refuse a memory snapshot off CUDA; on CUDA, have the flight recorder dump each rank's last
+    collectives under the run directory on a timeout."""
     cuda = resolve_device(cfg.train.device).type == "cuda"
     if cfg.metrics.memory_snapshot and not cuda:
         raise ConfigError(
@@ -29,8 +29,7 @@ def prepare_diagnostics(cfg: Config) -> None:
         prefix = os.path.join(os.path.abspath(cfg.checkpoint.dir), "flight_recorder", "rank_")
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-        os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", prefix)
-        prefix = os.environ["TORCH_FR_DUMP_TEMP_FILE"]
+        prefix = os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", prefix)
         os.makedirs(os.path.dirname(prefix), exist_ok=True)
         if os.environ.get("RANK", "0") == "0":
             print(f"flight recorder: on a timeout each rank writes its last collectives to {prefix}N")
@@ -59,7 +58,6 @@ class StepDiagnostics:
         return self
 
     def before(self, step: int) -> None:
-        """Call before `step` trains."""
         self.step = step
         if step == self.first:
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -72,7 +70,7 @@ class StepDiagnostics:
             self.step_range.__enter__()
 
     def after(self, step: int) -> list[dict]:
-        """Call after `step` trained; returns the events to log (rank 0's paths)."""
+        """Returns the events to log."""
         events = []
         if self.profiler is not None:
             self.step_range.__exit__(None, None, None)

@@ -56,9 +56,8 @@ def _chat_tokens(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]
     """Answer flags on the tokens each assistant turn adds to the rendered conversation, so any chat template
     works without {% generation %} markers."""
 
-    def render(msgs, generation_prompt):
-        rendered = tokenizer.apply_chat_template(msgs, add_generation_prompt=generation_prompt, tokenize=True)
-        return rendered["input_ids"]
+    def render(msgs, prompt):
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=prompt, tokenize=True)["input_ids"]
 
     ids = render(messages, False)
     answer = [0] * len(ids)

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
+from transformers import AutoModelForCausalLM
 
 from common.config import Config, resolve_mixed_precision
 from common.model import init_weights
@@ -41,12 +42,9 @@ def load_hf_weights(
     full = {}
     if dist.get_rank() == 0 or not broadcast_from_rank0:
         # from_pretrained applies the model's own key renames and weight conversions.
-        from transformers import AutoModelForCausalLM
-
-        hf_model = AutoModelForCausalLM.from_pretrained(
+        full = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, trust_remote_code=trust_remote_code
-        )
-        full = hf_model.state_dict()
+        ).state_dict()
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0)
     set_model_state_dict(model, full, options=options)
 

@@ -1,5 +1,5 @@
-"""FSDP2 application: wrap policy, mixed precision, reshard, offload, activation checkpointing, compile, in
-torchtitan's order: AC, compile, then `fully_shard` on each unit bottom-up, then on the root."""
+"""FSDP2 in torchtitan's order: activation checkpointing, compile, then `fully_shard` on each unit
+bottom-up, then on the root."""
 
 from __future__ import annotations
 
@@ -41,10 +41,9 @@ def _save_matmuls_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def checkpoint_layers(model: nn.Module, layer_classes: set[str], policy: str | int) -> None:
-    """Non-reentrant activation checkpointing of the layers `policy` picks: all ("full", "op") or every Nth,
-    counted back from the last layer; "op" saves matmul and attention outputs. Counting back keeps the last
-    layer unwrapped: backward starts there, and recomputing it while the other layers' saved activations are
-    all alive would put one more layer on the peak."""
+    """Non-reentrant AC of all layers ("full", "op") or of every Nth, counted back from the last so that it
+    stays unwrapped: backward starts there, and recomputing it while all other layers' activations are
+    alive would add a layer to the peak."""
     context = {}
     if policy == "op":
         context["context_fn"] = partial(create_selective_checkpoint_contexts, _save_matmuls_and_attention)
@@ -81,8 +80,7 @@ def resolve_layer_classes(model: nn.Module, fsdp: FsdpConfig) -> set[str]:
         class_names(fsdp.transformer_layer_cls_to_wrap) or getattr(model, "_no_split_modules", None) or []
     )
     present = {type(m).__name__ for m in model.modules()}
-    missing = names - present
-    if missing:
+    if missing := names - present:
         raise ConfigError(
             f"fsdp.transformer_layer_cls_to_wrap names {sorted(missing)}, not in this model; "
             f"its classes are: {', '.join(sorted(present))}"
@@ -96,14 +94,13 @@ def resolve_layer_classes(model: nn.Module, fsdp: FsdpConfig) -> set[str]:
 
 
 def _tied_parameter_owners(model: nn.Module) -> set[nn.Module]:
-    """Modules that share a parameter with another (e.g. tied embedding and lm_head)."""
-    seen: dict[int, nn.Module] = {}
+    first_owner: dict[int, nn.Module] = {}
     owners: set[nn.Module] = set()
     for module in model.modules():
         for param in module.parameters(recurse=False):
-            if id(param) in seen and seen[id(param)] is not module:
-                owners.update((module, seen[id(param)]))
-            seen.setdefault(id(param), module)
+            first = first_owner.setdefault(id(param), module)
+            if first is not module:
+                owners.update((module, first))
     return owners
 
 
@@ -128,17 +125,17 @@ def plan_units(
 ) -> list[list[nn.Module]]:
     """The FSDP units below the root (each a list of modules sharing one all-gather). Owners of tied
     parameters stay with the root; `sharded` modules (experts, on their own mesh) are left out."""
-    tied = _tied_parameter_owners(model)
     if fsdp.auto_wrap_policy == "NO_WRAP":
         return []
+    tied = _tied_parameter_owners(model)
     if fsdp.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
         units = [[m] for m in _layers(model, layer_classes)]
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
         if embed is not None and embed not in tied:
             units.append([embed])
-        final_norm = getattr(getattr(model, model.base_model_prefix, model), "norm", None)
         if head is not None and head not in tied:
             # norm and lm_head run back to back: one all-gather for both.
+            final_norm = getattr(getattr(model, model.base_model_prefix, model), "norm", None)
             units.append([m for m in (final_norm, head) if m is not None])
         return units
     # SIZE_BASED_WRAP: bottom-up, wrap a module once its not-yet-wrapped parameters reach the threshold.
@@ -163,13 +160,6 @@ def needed_first_in_backward(model: nn.Module, units: list[list[nn.Module]], lay
     layers = [unit for unit in units if _layer_name(unit[0]) in layer_classes]
     head = model.get_output_embeddings()
     return [unit for unit in units if (layers and unit is layers[-1]) or any(m is head for m in unit)]
-
-
-def _unit_parameters(units: list[list[nn.Module]], experts: list[nn.Module]) -> list[nn.Parameter]:
-    """The parameters these units all-gather (experts are units of their own)."""
-    own = {id(p) for m in experts for p in m.parameters()}
-    params = {id(p): p for unit in units for m in unit for p in m.parameters() if id(p) not in own}
-    return list(params.values())
 
 
 def apply_fsdp(
@@ -226,11 +216,13 @@ def apply_fsdp(
             # averaged. Forcing SUM also avoids PREMUL_SUM/AVG, which gloo lacks.
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+    own = {id(p) for m in experts for p in m.parameters()}  # experts are units of their own
+    sizes = {id(p): p.numel() for unit in kept for m in unit for p in m.parameters() if id(p) not in own}
     return {
         "fsdp_units": len(experts) + len(units) + 1,
         "compiled_layers": compiled,
         "units_kept_after_forward": len(kept),
-        "params_kept_after_forward": sum(p.numel() for p in _unit_parameters(kept, experts)),
+        "params_kept_after_forward": sum(sizes.values()),
     }
 
 

@@ -26,9 +26,9 @@ import torch.distributed as dist
 
 from common import loss
 from common.checkpoint import find_resume_checkpoint, load_checkpoint
-from common.config import Config, ConfigError, TrainConfig, check_batch_sizes, check_vocab_size
+from common.config import Config, ConfigError, TrainConfig
 from common.config_sources import parse_args, run_cli
-from common.data import Batch, load_tokenizer
+from common.data import Batch, check_batch_sizes, check_vocab_size, load_tokenizer
 from common.embedded import ensure_embedded_tokenizer
 from common.lifecycle import Bookkeeping, check_shared_storage
 from common.mesh import (

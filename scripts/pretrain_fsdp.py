@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from common import cp, loss
 from common.checkpoint import find_resume_checkpoint, load_checkpoint
-from common.config import Config, TrainConfig, check_batch_sizes, check_vocab_size
+from common.config import Config, TrainConfig
 from common.config_sources import parse_args, run_cli
-from common.data import Batch, build_batches
+from common.data import Batch, build_batches, check_batch_sizes, check_vocab_size
 from common.lifecycle import Bookkeeping, check_shared_storage
 from common.mesh import build_dp_mesh, gather, init_distributed, resolve_dp_sizes
 from common.metrics import (

@@ -35,9 +35,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from common.checkpoint import checkpoints_dir, find_resume_checkpoint, publish_checkpoint, restore_train_state
-from common.config import Config, ConfigError, FsdpConfig, check_vocab_size
+from common.config import Config, ConfigError, FsdpConfig
 from common.config_sources import parse_args, run_cli
-from common.data import build_batches
+from common.data import build_batches, check_vocab_size
 from common.lifecycle import Bookkeeping
 from common.metrics import MetricsLogger, StepTimer, flops_per_token
 from common.model import build_meta_model, init_buffers, init_weights, load_model_config

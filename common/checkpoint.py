@@ -155,16 +155,28 @@ def save_checkpoint(
 class PendingSave:
     """A checkpoint being written (in the background with checkpoint.async_save), not yet published."""
 
-    root: str
-    tmp: str
-    final: str
+    final: str  # checkpoints/step-N, written as step-N.tmp
     step: int
     publish: Callable[[], None]
     future: Future | None = None
 
+    @property
+    def tmp(self) -> str:
+        return f"{self.final}.tmp"
+
+    @property
+    def root(self) -> str:
+        return os.path.dirname(self.final)
+
 
 def _begin_save(
-    run_dir, step, model, optimizer, train_state, keep_latest, tokenizer
+    run_dir: str,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_state: dict,
+    keep_latest: int,
+    tokenizer,
 ) -> tuple[PendingSave, dict]:
     root = checkpoints_dir(run_dir)
     final = os.path.join(root, f"step-{step}")
@@ -174,12 +186,11 @@ def _begin_save(
             if name.endswith(".tmp") and STEP_DIR.match(name.removesuffix(".tmp")):
                 shutil.rmtree(os.path.join(root, name))
     dist.barrier()
-    tmp = f"{final}.tmp"
     publish = functools.partial(
-        publish_checkpoint, tmp, final, train_state, model.config, tokenizer, keep_latest
+        publish_checkpoint, f"{final}.tmp", final, train_state, model.config, tokenizer, keep_latest
     )
     state, _ = _training_state(model, optimizer, _rng_key())
-    return PendingSave(root, tmp, final, step, publish), state
+    return PendingSave(final, step, publish), state
 
 
 def _complete(save: PendingSave, errors: list) -> str:

@@ -296,10 +296,11 @@ def build_batches(
     cfg: DataConfig, seed: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, is_main: bool
 ):
     ensure_embedded_tokenizer(cfg, is_main)
-    tokens_path = None if cfg.streaming else prepare_local_data(cfg, is_main)
-    tokenizer = load_tokenizer(cfg)
     if cfg.streaming:
+        tokenizer = load_tokenizer(cfg)
         return tokenizer, StreamingBatches(cfg, tokenizer, global_batch, micro_batch, dp_rank, dp_size)
+    tokens_path = prepare_local_data(cfg, is_main)
+    tokenizer = load_tokenizer(cfg)
     document_eos = tokenizer.eos_token_id if cfg.document_mask else None
     return tokenizer, LocalBatches(
         tokens_path, pad_token_id(tokenizer), seed, global_batch, micro_batch, dp_rank, dp_size, document_eos

@@ -11,8 +11,8 @@ a save on the same node would.
 Prints a markdown table of MB/s (min / median / max over repeats) and the ratio to raw.
 
 Then the training stall: --steps training steps with a checkpoint every --every steps, written
-synchronously (save_checkpoint) or in the background (checkpoint.async_save: start_async_save, published
-by finish_async_save as training does), against the same steps with no checkpoint. Prints the time
+synchronously (save_checkpoint) or in the background (checkpoint.async_save: BackgroundSaves.start,
+completed by finish_if_written as training does), against the same steps with no checkpoint. Prints the time
 training waited per checkpoint (median) and steps/s, with the ratios to sync and to no checkpoint.
 """
 
@@ -31,10 +31,12 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig
 
-from common.checkpoint import finish_async_save, load_checkpoint, save_checkpoint, start_async_save
+from common.checkpoint import load_checkpoint, save_checkpoint
 from common.config import FsdpConfig, ModelConfig
 from common.mesh import build_dp_mesh, init_distributed
 from common.model import build_meta_model, init_weights
+from common.ops.async_save import BackgroundSaves
+from common.ops.metrics import MetricsLogger
 from common.wrap import apply_fsdp
 
 
@@ -61,28 +63,24 @@ def timed(fn) -> float:
 def train_with_checkpoints(model, optimizer, run_dir: str, mode: str, steps: int, every: int) -> tuple:
     """(seconds training waited per checkpoint, steps/s) for mode none | sync | async."""
     tokens = torch.zeros(1, 64, dtype=torch.long, device=next(model.parameters()).device)
-    stalls, pending = [], None
+    stalls = []
     dist.barrier()
     start = time.perf_counter()
-    for step in range(1, steps + 1):
-        model(input_ids=tokens).logits.float().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if pending is not None and finish_async_save(pending, wait=False):
-            pending = None
-        if mode == "none" or step % every:
-            continue
-        waited = time.perf_counter()
-        state = {"step": step, "samples": 0, "scheduler": {}, "data": []}
-        if mode == "sync":
-            save_checkpoint(run_dir, step, model, optimizer, state, 1)
-        else:
-            if pending is not None:  # one write at a time, as training does
-                finish_async_save(pending, wait=True)
-            pending = start_async_save(run_dir, step, model, optimizer, state, 1)
-        stalls.append(time.perf_counter() - waited)
-    if pending is not None:
-        finish_async_save(pending, wait=True)
+    with BackgroundSaves(MetricsLogger(None, enabled=False)) as background:  # logs nothing
+        for step in range(1, steps + 1):
+            model(input_ids=tokens).logits.float().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            background.finish_if_written()
+            if mode == "none" or step % every:
+                continue
+            waited = time.perf_counter()
+            state = {"step": step, "samples": 0, "scheduler": {}, "data": []}
+            if mode == "sync":
+                save_checkpoint(run_dir, step, model, optimizer, state, 1)
+            else:  # one write at a time, as training does
+                background.start(run_dir, step, model, optimizer, state, 1)
+            stalls.append(time.perf_counter() - waited)
     dist.barrier()
     return stalls, steps / (time.perf_counter() - start)
 

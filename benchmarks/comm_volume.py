@@ -38,8 +38,8 @@ def padded_param_bytes(world: int, element_size: int = 4) -> tuple[int, int]:
     """Psi, and the part of it in the units kept all-gathered after forward (common/wrap.py)."""
     from transformers import LlamaConfig
 
-    from common.config_sources import load_config
     from common.model import build_meta_model
+    from common.ops.config_sources import load_config
     from common.wrap import needed_first_in_backward, plan_units, resolve_layer_classes
 
     cfg = load_config(TINY, OVERRIDES)

@@ -8,7 +8,7 @@ eval_cp.py on that export through both attention paths (torch's context_parallel
 cp 1, which must agree; finetune_moe_ep_fsdp.py (debug_moe). tpu_xla_fsdp.py needs torch_xla, so it is not
 part of a GPU run. Speed: pretrain_fsdp.py on a Llama-shaped 1.2B model (hidden 2048, MLP 8192, 16 layers, 32
 heads / 8 K/V heads, vocab 128256, seq 4096, 4 sequences per step; bf16 parameters, fp32 reduction), compile
-and activation checkpointing on and off. MFU is against the datasheet bf16 peak (common/metrics.py) with
+and activation checkpointing on and off. MFU is against the datasheet bf16 peak (common/ops/metrics.py) with
 flops_per_token = 6 N + 12 L H S. Writes OUT_DIR/gpu_bench.json (one record) and OUT_DIR/gpu_bench.md.
 """
 

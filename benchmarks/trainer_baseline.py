@@ -70,9 +70,10 @@ from transformers import (
 )
 
 from common.config import DataConfig, TrainConfig
-from common.data import build_batches
-from common.mesh import end_process, gather
-from common.metrics import peak_memory_bytes, reset_peak_memory
+from common.data.batches import build_batches
+from common.mesh import gather
+from common.ops.cli import end_process
+from common.ops.metrics import peak_memory_bytes, reset_peak_memory
 
 CPU, GIB, T = torch.device("cpu"), 2**30, TrainConfig()  # defaults are the recipe's
 BEST = {"torch_compile": True, "optim": "adamw_torch_fused"}  # --best: measured in the module docstring
@@ -285,5 +286,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # The Trainer's gloo groups carry the recipes' exit hazard (common/mesh.end_process): leave the same way.
-    end_process(0, own_groups=True)
+    # The Trainer's gloo groups carry the recipes' exit hazard (common/ops/cli.py): leave the same way.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    end_process(0)

@@ -1,14 +1,12 @@
-"""The config schema, one dataclass per section (its fields are the reference for every key), and its
-validation. No torch import, so a bad config fails in well under a second."""
+"""The config schema, one dataclass per section (its fields are the reference for every key), and the checks
+that span several keys. No torch import, so a bad config fails in well under a second. Reading the files
+and checking each value's type is common/ops/config_sources.py."""
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import types
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Literal
 
 
 class ConfigError(ValueError):
@@ -87,7 +85,7 @@ class FsdpConfig:
     # saves each layer's matmul and attention outputs and recomputes the rest (elementwise ops, norms)
     ac_policy: Literal["full", "op"] | int = "full"
     mixed_precision: dict | str | None = None  # None: bf16 params + fp32 reduce on CUDA, fp32 on CPU
-    # Transformers' PyTorch/XLA keys, for scripts/tpu_xla_fsdp.py only.
+    # Transformers' PyTorch/XLA keys, for the PyTorch/XLA recipe only.
     xla: bool = False
     xla_fsdp_settings: dict = field(default_factory=dict)
     xla_fsdp_grad_ckpt: bool = False
@@ -121,7 +119,6 @@ class CheckpointConfig:
 class MetricsConfig:
     log_every: int = 1
     comm_stats: bool = False  # count all-gather / reduce-scatter calls and bytes per step
-    sample_ids: bool = False  # log which global samples each rank consumed (for data-position tests)
     tensorboard: bool = True  # used only when the package is installed
     peak_flops: float | None = None  # FLOP/s per device for MFU; None: the datasheet table (known GPUs only)
     profile_steps: list[int] = field(default_factory=list)  # [first, last]: a profiler trace per rank
@@ -146,17 +143,10 @@ class Config:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)  # scripts/eval_cp.py only
+    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation
 
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "no": "float32", "fp16": "float16"}
-
-
-def did_you_mean(key: str, choices, list_valid: bool = True) -> str:
-    close = difflib.get_close_matches(key, list(choices), n=1)
-    if close:
-        return f" (did you mean '{close[0]}'?)"
-    return f" (valid: {', '.join(sorted(choices))})" if list_valid else ""
 
 
 def class_names(value: list | str | None) -> list[str]:
@@ -194,53 +184,6 @@ def resolve_mixed_precision(fsdp: FsdpConfig, device_type: str) -> dict:
     return mixed_precision_dtypes(fsdp.mixed_precision, device_type)
 
 
-def _fits(value: Any, hint: Any) -> bool:
-    """A bool fits only bool (a size given as `true` is a typo); an int fits a float."""
-    if get_origin(hint) is Literal:
-        return value in get_args(hint)
-    if get_origin(hint) in (Union, types.UnionType):
-        return any(_fits(value, arg) for arg in get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint in (int, float) and isinstance(value, bool):
-        return False
-    return isinstance(value, (int, float) if hint is float else get_origin(hint) or hint)
-
-
-TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-TYPE_NAMES.update({list: "a list", dict: "an object", type(None): "null"})
-
-
-def _describe(hint: Any) -> str:
-    if get_origin(hint) is Literal:
-        return "one of " + ", ".join(map(str, get_args(hint)))
-    if get_origin(hint) in (Union, types.UnionType):
-        return " or ".join(_describe(arg) for arg in get_args(hint))
-    return TYPE_NAMES.get(get_origin(hint) or hint, str(hint))
-
-
-AT_LEAST = {"train.global_batch_size": 1, "train.micro_batch_size": 1, "data.seq_len": 2}
-AT_LEAST |= dict.fromkeys(
-    ("train.steps", "train.warmup_steps", "train.stop_after", "train.loss_chunk_tokens"), 0
-)
-AT_LEAST |= {"checkpoint.interval": 0, "checkpoint.keep_latest": 1, "metrics.log_every": 1}
-ABOVE_ZERO = ("train.lr", "parallelism.timeout_minutes")
-
-
-def _check_types(cfg: Config) -> None:
-    for section in dataclasses.fields(cfg):
-        values = getattr(cfg, section.name)
-        for key, hint in get_type_hints(type(values)).items():
-            path, value = f"{section.name}.{key}", getattr(values, key)
-            if not _fits(value, hint):
-                close = did_you_mean(str(value), get_args(hint), False) if get_origin(hint) is Literal else ""
-                raise ConfigError(f"{path} is {value!r}; use {_describe(hint)}{close}")
-            if path in AT_LEAST and value < AT_LEAST[path]:
-                raise ConfigError(f"{path} is {value}; it must be >= {AT_LEAST[path]}")
-            if path in ABOVE_ZERO and value <= 0:
-                raise ConfigError(f"{path} is {value}; it must be > 0")
-
-
 def validate(cfg: Config) -> None:
     """Everything that can be checked before touching a model or a GPU."""
     t, f, p = cfg.train, cfg.fsdp, cfg.parallelism
@@ -248,7 +191,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"fsdp.version is {f.version}; FSDP1 is not supported, set it to 2 (fully_shard)")
     if f.auto_wrap_policy == "SIZE_BASED_WRAP" and f.min_num_params is None:
         f.min_num_params = 100_000_000  # Accelerate's default
-    _check_types(cfg)
     if len(t.betas) != 2:
         raise ConfigError(f"train.betas is {t.betas!r}; give two numbers, e.g. [0.9, 0.95]")
     if not isinstance(f.reshard_after_forward, bool) and f.reshard_after_forward < 1:

@@ -3,10 +3,12 @@ positions of every sequence, and attention all-gathers K and V and masks by glob
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed._functional_collectives import all_gather_single, all_gather_single_autograd
+from torch.distributed._functional_collectives import all_gather_tensor, all_gather_tensor_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, PretrainedConfig
@@ -14,35 +16,61 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from common.config import ConfigError
 
-# Set by setup(): the model's own layers call the attention function, so it can only read its state here.
-CP: dict = {}
 ATTENTION = "cp_allgather"
 TORCH_ATTENTION = "cp_torch"
-# Queries per attention call: bounds a materialised (CPU) mask; 8k tokens at cp 2 peaked at 60 MB, not 170.
+# Queries per attention call: bounds a materialised (CPU) mask (docs/performance.md, "CP attention").
 QUERY_BLOCK = 1024
 
 
-def _whole_sequence(local: torch.Tensor, dim: int, gather=all_gather_single) -> torch.Tensor:
-    if CP["size"] == 1:
+@dataclass
+class CpState:
+    """This rank's share of every sequence, from setup(). The model's attention reads it from the forward
+    keyword `cp` (Transformers passes extra keywords down to the attention function)."""
+
+    size: int
+    group: dist.ProcessGroup
+    mesh: DeviceMesh  # (dp, cp)
+    dp_rank: int
+    positions: torch.Tensor  # this rank's positions of each sequence, on the device
+    query_blocks: list  # (first local row, first position, end position, causal bias) per attention call
+    key_order: torch.Tensor | None  # sorts the gathered head-tail shards into sequence order
+    document_mask: bool  # position ids restart per document; attention stays inside it
+
+    def shard(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's positions of a [batch, sequence] tensor."""
+        return tensor[:, self.positions.to(tensor.device)]
+
+
+def use_cp_attention(torch_cp: bool = False) -> str:
+    """Register the CP attention functions with Transformers (before the model is built: it checks its
+    attn_implementation) and return the name to use: the all-gather one, or torch's ring attention's."""
+    AttentionInterface.register(ATTENTION, allgather_kv_attention)
+    AttentionInterface.register(TORCH_ATTENTION, torch_cp_attention)
+    return TORCH_ATTENTION if torch_cp else ATTENTION
+
+
+def _whole_sequence(local: torch.Tensor, dim: int, cp: CpState, gather=all_gather_tensor) -> torch.Tensor:
+    if cp.size == 1:
         return local
-    full = gather(local.contiguous(), gather_dim=dim, group=CP["group"])
-    return full if CP["key_order"] is None else full.index_select(dim, CP["key_order"])
+    full = gather(local.contiguous(), gather_dim=dim, group=cp.group)
+    return full if cp.key_order is None else full.index_select(dim, cp.key_order)
 
 
 def allgather_kv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Each query block [start, end) attends to the keys before `end` with a lower-right causal bias, which
     CUDA applies without materialising a mask. HF's attention_mask describes the local shard: ignored."""
-    # all_gather_single_autograd (backward: reduce-scatter): torch.distributed.nn's all_gather gave wrong
-    # K/V gradients on gloo (grad norm 0.871 instead of 0.947 on debug_tiny's first step at cp=2).
-    key = _whole_sequence(key, dim=2, gather=all_gather_single_autograd)
-    value = _whole_sequence(value, dim=2, gather=all_gather_single_autograd)
-    if CP["document_mask"]:
-        documents = (_whole_sequence(kwargs["position_ids"], dim=1) == 0).cumsum(dim=1)  # [batch, seq]
-        query_documents = documents[:, CP["positions"]]
+    cp: CpState = kwargs["cp"]
+    # The autograd all-gather's backward is a reduce-scatter; torch.distributed.nn's all_gather gave wrong
+    # K/V gradients on gloo (docs/performance.md, "CP attention").
+    key = _whole_sequence(key, 2, cp, all_gather_tensor_autograd)
+    value = _whole_sequence(value, 2, cp, all_gather_tensor_autograd)
+    if cp.document_mask:
+        documents = (_whole_sequence(kwargs["position_ids"], 1, cp) == 0).cumsum(dim=1)  # [batch, seq]
+        query_documents = documents[:, cp.positions]
     blocks = []
-    for local, start, end, mask in CP["query_blocks"]:
+    for local, start, end, mask in cp.query_blocks:
         rows = slice(local, local + end - start)
-        if CP["document_mask"]:
+        if cp.document_mask:
             keys = torch.arange(end, device=query.device)
             causal = torch.arange(start, end, device=query.device)[:, None] >= keys
             mask = (causal & (query_documents[:, rows, None] == documents[:, None, :end])).unsqueeze(1)
@@ -62,10 +90,6 @@ def allgather_kv_attention(module, query, key, value, attention_mask, dropout=0.
 def torch_cp_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Inside torch's context_parallel SDPA becomes ring attention, which needs is_causal and no mask."""
     return sdpa_attention_forward(module, query, key, value, None, dropout, scaling, is_causal=True)
-
-
-AttentionInterface.register(ATTENTION, allgather_kv_attention)
-AttentionInterface.register(TORCH_ATTENTION, torch_cp_attention)
 
 
 def shard_positions(seq_len: int, cp_size: int, cp_rank: int, load_balance: bool) -> torch.Tensor:
@@ -101,10 +125,9 @@ def check_cp(
 
 def setup(
     seq_len: int, cp_size: int, load_balance: bool, device: torch.device, document_mask: bool = False
-) -> tuple[torch.Tensor, int, DeviceMesh]:
-    """Set this rank's CP state; returns its positions (index inputs, labels and position ids with them),
-    its data-parallel rank and the mesh. The (dp, cp) mesh keeps a data-parallel rank's cp ranks adjacent,
-    so build_dp_mesh(dp_shard x cp) over the same ranks shards over dp x cp."""
+) -> CpState:
+    """This rank's layout. The (dp, cp) mesh keeps a data-parallel rank's cp ranks adjacent, so
+    build_dp_mesh(dp_shard x cp) over the same ranks shards over dp x cp."""
     mesh = init_device_mesh(
         device.type, (dist.get_world_size() // cp_size, cp_size), mesh_dim_names=("dp", "cp")
     )
@@ -120,12 +143,13 @@ def setup(
             blocks.append((local, start, end, causal_lower_right(end - start, end)))
             local += end - start
     in_order = bool((every_rank.diff() == 1).all())  # head-tail shards arrive out of order: sort them
-    CP.update(
+    return CpState(
         size=cp_size,
         group=mesh.get_group("cp"),
-        query_blocks=blocks,
-        document_mask=document_mask,
+        mesh=mesh,
+        dp_rank=mesh.get_local_rank("dp"),
         positions=positions.to(device),
+        query_blocks=blocks,
         key_order=None if in_order else every_rank.argsort().to(device),
+        document_mask=document_mask,
     )
-    return positions.to(device), mesh.get_local_rank("dp"), mesh

@@ -1,7 +1,7 @@
 """The output layer and its cross-entropy, a chunk of tokens at a time, so the logits of a whole
-micro-batch never exist: at Llama 3's 128,256-token vocabulary one 8,192-token sequence's fp32 logits take
-4 GiB, which the plain path holds three times over (logits, log-softmax, their gradient). Liger's fused
-kernel does the same on CUDA only; this is plain torch."""
+micro-batch never exist: at a 128k vocabulary they take GiBs per sequence, held three times over on the
+plain path (docs/performance.md, "The output layer in chunks"). Liger's fused kernel does the same on CUDA
+only; this is plain torch."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from common.wrap import reshard
 def chunk_logits(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int
 ) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
-    """(rows, fp32 logits, labels) for each `chunk` rows of `hidden` [tokens, dim]; eval_cp.py uses it too."""
+    """(rows, fp32 logits, labels) for each `chunk` rows of `hidden` [tokens, dim]."""
     for start in range(0, hidden.shape[0], chunk):
         rows = slice(start, start + chunk)
         yield rows, F.linear(hidden[rows], weight).float(), labels[rows]
@@ -33,8 +33,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk: int, with_grads: bool):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        # fp32 until backward scales them. For the weight, summing chunks in bf16 put its error against
-        # fp64 at 1.8x the plain path's at 8 chunks; in fp32, 1.3x.
+        # fp32 until backward scales them: chunk sums in bf16 lose precision (docs/performance.md).
         grad_hidden = torch.empty_like(hidden, dtype=torch.float32) if with_grads else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if with_grads else None
         for rows, logits, target in chunk_logits(hidden, weight, labels, chunk):
@@ -73,40 +72,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight.mul_(grad_total).to(weight_dtype), None, None, None
 
 
-def token_loss_sum(model: nn.Module, labels: torch.Tensor, chunk_tokens: int, **inputs) -> torch.Tensor:
-    """The model's cross-entropy summed over tokens (label -100: none). With chunk_tokens > 0 the output
-    layer computes it inside its own forward, `chunk_tokens` tokens at a time, so FSDP all-gathers its
-    weight once per micro-batch, as for the plain layer. 0: full logits, then the loss."""
-    # Models that transform the head's output (Gemma's soft-capping, Cohere's logit scale) would apply that
-    # to the loss: they take full logits.
-    transforms = any(getattr(model.config, key, None) for key in ("final_logit_softcapping", "logit_scale"))
-    if not chunk_tokens or transforms:
-        logits = model(**inputs).logits
-        summed = F.cross_entropy(
-            logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
-        )
-    else:
-        head = model.get_output_embeddings()
-        if not hasattr(head, "loss_labels"):
-            _compute_loss_in(head)
-        head.loss_labels = SimpleNamespace(labels=labels.flatten(), chunk=chunk_tokens)
-        try:
-            summed = model(**inputs).logits  # the summed loss: Transformers passes on what the head returns
-        finally:
-            head.loss_labels = None
-        if summed.dim() != 0:  # a model that reshapes its head's output: never a silently wrong loss
-            raise RuntimeError(
-                f"{type(model).__name__} reshapes its output layer's result; set train.loss_chunk_tokens=0"
-            )
-    if not torch.is_grad_enabled():
-        # Evaluation: no backward will free the units kept all-gathered after forward (common/wrap.py).
-        reshard(model)
-    return summed
-
-
-def _compute_loss_in(head: nn.Module) -> None:
-    """Make `head` return the chunked loss while `head.loss_labels` is set. Its forward, not a wrapper
-    module: FSDP's hooks and parameter names stay as they are."""
+def compute_loss_in_output_layer(model: nn.Module) -> None:
+    """Let the output layer compute the chunked loss in its own forward while `head.loss_labels` is set: a
+    new forward, not a wrapper module, so FSDP's hooks and the parameter names stay as they are."""
+    head = model.get_output_embeddings()
     plain = head.forward
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
@@ -115,7 +84,43 @@ def _compute_loss_in(head: nn.Module) -> None:
         wanted = head.loss_labels
         with_grads = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
         hidden = hidden.flatten(0, -2)
-        return ChunkedCrossEntropy.apply(hidden, head.weight, wanted.labels, wanted.chunk, with_grads)
+        head.loss_sum = ChunkedCrossEntropy.apply(
+            hidden, head.weight, wanted.labels, wanted.chunk, with_grads
+        )
+        return head.loss_sum  # Transformers returns it as `.logits`; token_loss_sum reads it from the head
 
     head.forward = forward
-    head.loss_labels = None
+    head.loss_labels = head.loss_sum = None
+
+
+def token_loss_sum(model: nn.Module, labels: torch.Tensor, chunk_tokens: int, **inputs) -> torch.Tensor:
+    """The model's cross-entropy summed over tokens (label -100: none). With chunk_tokens > 0 the output
+    layer computes it inside its own forward (compute_loss_in_output_layer, called once on the model),
+    `chunk_tokens` tokens at a time, so FSDP all-gathers its weight once per micro-batch, as for the plain
+    layer. 0: full logits, then the loss."""
+    # Models that transform the head's output (Gemma's soft-capping, Cohere's logit scale) would apply that
+    # to the loss: they take full logits.
+    transforms = any(getattr(model.config, key, None) for key in ("final_logit_softcapping", "logit_scale"))
+    head = model.get_output_embeddings()
+    if chunk_tokens and not hasattr(head, "loss_labels"):
+        raise RuntimeError("call compute_loss_in_output_layer(model) before token_loss_sum with chunks")
+    if not chunk_tokens or transforms:
+        logits = model(**inputs).logits
+        summed = F.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+        )
+    else:
+        head.loss_labels = SimpleNamespace(labels=labels.flatten(), chunk=chunk_tokens)
+        try:
+            returned = model(**inputs).logits
+            summed = head.loss_sum
+        finally:
+            head.loss_labels = head.loss_sum = None
+        if returned.dim() != 0:  # a model that reshapes its head's output: never a silently wrong loss
+            raise RuntimeError(
+                f"{type(model).__name__} reshapes its output layer's result; set train.loss_chunk_tokens=0"
+            )
+    if not torch.is_grad_enabled():
+        # Evaluation: no backward will free the units kept all-gathered after forward (common/wrap.py).
+        reshard(model)
+    return summed

@@ -15,12 +15,11 @@ from transformers.utils import logging as hf_logging
 
 from common.config import ConfigError, ModelConfig
 
-# Weight loading and export happen once per run, on every rank: their bars would only bury the log.
-hf_logging.disable_progress_bar()
-
 
 def load_model_config(cfg: ModelConfig, seq_len: int | None = None) -> PretrainedConfig:
     """model.config or model.name_or_path's config; warns if seq_len exceeds its positions."""
+    # Weights load and export once per run, on every rank: Transformers' progress bars would bury the log.
+    hf_logging.disable_progress_bar()
     hf_config = _read_model_config(cfg)
     # No KV cache in training or evaluation: it costs memory, and with one Transformers stops detecting
     # packed sequences from restarting position ids.

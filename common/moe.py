@@ -6,21 +6,93 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from transformers import DistributedConfig
 from transformers.distributed.expert_parallel import apply_expert_parallelism
 from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
 from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
-from common.config import ConfigError
-from common.mesh import MoeSizes
+from common.config import ConfigError, ParallelismConfig
 
 DISPATCH = "ep_dispatch_experts"  # the EP plan's style for a layer's experts
 GRAD_ALL_REDUCE = "replicated_with_grad_allreduce"  # TP style of Qwen3's q_norm/k_norm: partial gradients
+
+
+@dataclass
+class MoeSizes:
+    """Transformers' DistributedConfig layout: dense weights on (dp_replicate, fsdp, tp), experts on
+    (dp_replicate, efsdp, ep)."""
+
+    dp_replicate: int
+    fsdp: int
+    tp: int
+    ep: int
+
+    @property
+    def efsdp(self) -> int:
+        return self.fsdp * self.tp // self.ep  # both views cover the same ranks
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.fsdp  # ranks that see distinct batches
+
+
+def resolve_moe_sizes(p: ParallelismConfig, world_size: int, num_experts: int) -> MoeSizes:
+    if p.dp_replicate_size == -1:
+        raise ConfigError("parallelism.dp_replicate_size is -1; give the number of replicas (e.g. nodes)")
+    replicate, tp, ep = p.dp_replicate_size, p.tp_size, p.ep_size
+    fsdp = world_size // (replicate * tp) if p.fsdp_size == -1 else p.fsdp_size
+    if replicate * fsdp * tp != world_size:
+        raise ConfigError(
+            f"parallelism.dp_replicate_size ({replicate}) x fsdp_size ({p.fsdp_size}) x tp_size ({tp}) "
+            f"does not cover the world size {world_size}; make the product {world_size} or set "
+            f"fsdp_size=-1"
+        )
+    if ep % tp:
+        # Transformers allows ep=1 with tp>1, tensor-sharding fused experts in a packed layout that DCP
+        # checkpoints and full exports cannot represent (overlapping chunks), so we do not.
+        raise ConfigError(
+            f"parallelism.ep_size ({ep}) is not a multiple of tp_size ({tp}); experts are never "
+            f"tensor-parallel here, so set ep_size to a multiple of {tp}"
+        )
+    if (fsdp * tp) % ep:
+        raise ConfigError(
+            f"parallelism.ep_size ({ep}) does not divide fsdp_size x tp_size ({fsdp} x {tp}); pick "
+            f"an ep_size that divides {fsdp * tp}"
+        )
+    if num_experts % ep:
+        raise ConfigError(
+            f"parallelism.ep_size ({ep}) does not divide the model's {num_experts} experts; pick an "
+            f"ep_size that divides {num_experts}"
+        )
+    return MoeSizes(replicate, fsdp, tp, ep)
+
+
+def data_parallel_rank(dense: DeviceMesh) -> int:
+    """Which batch this rank reads: its (dp_replicate, fsdp) position; tp peers read the same one."""
+    replicate_rank, fsdp_rank, _ = dense.get_coordinate()
+    return replicate_rank * dense["fsdp"].size() + fsdp_rank
+
+
+def fsdp_meshes(dense: DeviceMesh, expert: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
+    """What FSDP shards dense weights and experts over; dp_replicate only with >1 replica."""
+    replicate = ("dp_replicate",) if dense["dp_replicate"].size() > 1 else ()
+    return dense[(*replicate, "fsdp")], expert[(*replicate, "efsdp")]
+
+
+def build_moe_meshes(device_type: str, s: MoeSizes) -> tuple[DeviceMesh, DeviceMesh]:
+    dense = init_device_mesh(
+        device_type, (s.dp_replicate, s.fsdp, s.tp), mesh_dim_names=("dp_replicate", "fsdp", "tp")
+    )
+    expert = init_device_mesh(
+        device_type, (s.dp_replicate, s.efsdp, s.ep), mesh_dim_names=("dp_replicate", "efsdp", "ep")
+    )
+    return dense, expert
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
@@ -30,16 +102,14 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
     return [m for name, m in model.named_modules() if replace_layer_number_by_wildcard(name) in dispatched]
 
 
-def check_moe(model: nn.Module, name: str) -> tuple[int, Callable]:
+def moe_parts(model: nn.Module) -> tuple[int, Callable] | None:
+    """(experts per layer, the model's load-balancing loss), or None for a model without an expert plan."""
     experts = expert_modules(model)
     module = importlib.import_module(type(model).__module__)
     aux_loss = getattr(module, "load_balancing_loss_func", None)
     records_router = "router_logits" in (getattr(type(model.base_model), "_can_record_outputs", None) or {})
     if not experts or aux_loss is None or not records_router:
-        raise ConfigError(
-            f"model {name} is a {type(model).__name__}, not a mixture-of-experts model with an expert "
-            f"plan; use scripts/pretrain_fsdp.py for dense models, or a Qwen3-MoE/Mixtral-style MoE"
-        )
+        return None
     return next(experts[0].parameters()).shape[0], aux_loss
 
 

@@ -27,7 +27,8 @@ def save_config(out_dir: str, model_config, tokenizer) -> None:
         tokenizer.save_pretrained(out_dir)
 
 
-def publish(tmp: str, final: str) -> None:
+def move_into_place(tmp: str, final: str) -> None:
+    """`tmp`, complete, becomes `final`; a previous `final` goes only once the new one is in place."""
     old = f"{final}.old"
     if os.path.exists(final):
         os.replace(final, old)
@@ -89,7 +90,7 @@ def export_full(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype) -
         tmp = f"{out_dir}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         write_hf_directory(model, tmp, {k: v.to(dtype) for k, v in state.items()}, tokenizer, dtype)
-        publish(tmp, out_dir)
+        move_into_place(tmp, out_dir)
     dist.barrier()
 
 
@@ -113,7 +114,7 @@ def export_sharded(model: nn.Module, out_dir: str, tokenizer) -> None:
     dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=tmp)
     if dist.get_rank() == 0:
         save_config(tmp, model.config, tokenizer)
-        publish(tmp, out_dir)
+        move_into_place(tmp, out_dir)
     dist.barrier()
 
 

@@ -44,14 +44,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from common import cp
+from common import cp, loss
 from common.config import Config, ConfigError, TrainConfig
-from common.config_sources import apply_override, load_config, run_cli
-from common.data import Batch
-from common.mesh import build_dp_mesh, build_moe_meshes, fsdp_meshes
-from common.metrics import GIB, CommCounter, sharded_state_bytes
+from common.data.batches import Batch
+from common.mesh import build_dp_mesh
 from common.model import build_meta_model, init_buffers, load_model_config
-from common.moe import apply_tp_ep
+from common.moe import apply_tp_ep, build_moe_meshes, fsdp_meshes
+from common.ops.cli import run_cli
+from common.ops.config_sources import apply_override, load_config
+from common.ops.metrics import GIB, CommCounter, sharded_state_bytes
 from common.optim import build_optimizer
 from common.wrap import apply_fsdp
 from fake_run_patches import (  # beside this script
@@ -109,7 +110,7 @@ def pick_recipe(requested: str, config_path: str, cfg: Config, hf_config) -> str
 
 def fake_batch(micro_batch: int, seq_len: int, vocab: int, sft: bool) -> Batch:
     input_ids = torch.randint(0, vocab, (micro_batch, seq_len))
-    batch = Batch(input_ids=input_ids, labels=input_ids.clone(), sample_ids=[])
+    batch = Batch(input_ids=input_ids, labels=input_ids.clone(), sample_indices=[])
     if sft:  # a packed row of real tokens
         batch.position_ids = torch.arange(seq_len).expand(micro_batch, -1)
         batch.token_mask = torch.ones_like(input_ids, dtype=torch.bool)
@@ -130,15 +131,18 @@ def shard_on_meta(cfg: Config, recipe: str, world_size: int, device_type: str) -
     meshes, TP/EP plans and apply_fsdp, on `meta`."""
     script = load_script(SCRIPTS_OF[recipe])
     t, cp_size = cfg.train, cfg.parallelism.cp_size
+    checked = script.check_config(cfg, world_size) if recipe != "moe" else None
+    if recipe == "eval" or cp_size > 1:  # as the scripts' main() do; the planner runs the all-gather one
+        cfg.model.attn_implementation = cp.use_cp_attention()
     hf_config = load_model_config(cfg.model, cfg.data.seq_len)
     model = build_meta_model(hf_config, cfg.model, t.gradient_checkpointing)
+    loss.compute_loss_in_output_layer(model)
     params = sum(p.numel() for p in model.parameters())  # before TP and EP split them
     experts, expert_mesh, moe = [], None, None
     if recipe == "pretrain":
-        dp_replicate, dp_shard, dp_size = script.check_config(cfg, world_size)
+        dp_replicate, dp_shard, dp_size = checked
         mesh = build_dp_mesh("cpu", dp_replicate, dp_shard * cp_size)
     elif recipe == "eval":
-        script.check_config(cfg, world_size)
         mesh = build_dp_mesh("cpu", 1, world_size)
     else:
         sizes, num_experts, aux_loss_fn = script.check_config(cfg, world_size, model)
@@ -174,10 +178,10 @@ def measure(cfg: Config, recipe: str, world_size: int, device_type: str) -> dict
         built = shard_on_meta(cfg, recipe, world_size, device_type)
         script, model, micro_batch = built["script"], built["model"], built["micro_batch"]
         accumulation, seq_len, cp_size = built["accumulation"], cfg.data.seq_len, cfg.parallelism.cp_size
-        positions = None
+        cp_state = None
         if cp_size > 1 or recipe == "eval":  # as each script does
             load_balance = cfg.eval.load_balance if recipe == "eval" else True
-            positions, _, _ = cp.setup(seq_len, cp_size, load_balance, device, cfg.data.document_mask)
+            cp_state = cp.setup(seq_len, cp_size, load_balance, device, cfg.data.document_mask)
         # Meshes, CP state and the sharding plan are real or on `meta`; from the weights on, all is fake.
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=device)
@@ -188,14 +192,14 @@ def measure(cfg: Config, recipe: str, world_size: int, device_type: str) -> dict
             track_the_global_peak_only(tracker)
             if recipe == "pretrain":
                 chunk = cfg.train.loss_chunk_tokens
-                loss = lambda: script.token_loss_sum(model, batch, device, positions, chunk)  # noqa: E731
+                loss_of = lambda: script.token_loss_sum(model, batch, device, cp_state, chunk)  # noqa: E731
             elif recipe == "moe":
-                loss = moe_loss(script, model, batch, built["moe"], cfg.train)
+                loss_of = moe_loss(script, model, batch, built["moe"], cfg.train)
 
             def step():
                 if recipe == "eval":
-                    return eval_step(script, model, batch, positions, cfg)
-                train_step(model, optimizer, loss, accumulation, cfg.train.sync_each_batch)
+                    return eval_step(script, model, batch, cp_state, cfg)
+                train_step(model, optimizer, loss_of, accumulation, cfg.train.sync_each_batch)
 
             tracker.track_inputs((batch.input_ids, batch.labels))
             with tracker, label_accumulated_gradients(tracker), CommCounter().patch() as comm:
@@ -256,14 +260,14 @@ def train_step(model, optimizer, loss, accumulation: int, sync_each_batch: bool)
 
 
 @torch.no_grad()
-def eval_step(script, model, batch, positions, cfg: Config) -> None:
+def eval_step(script, model, batch, cp_state, cfg: Config) -> None:
     """eval_cp.py's forward on this rank's positions and its chunked head loss. Always the all-gather
     attention: torch's ring attention (eval.attention=torch_cp) needs CUDA kernels, and holds less."""
     hidden = {}
     handle = model.get_decoder().register_forward_hook(
         lambda module, args, out: hidden.update(last=out.last_hidden_state)
     )
-    labels = script.forward_shard(model, batch.input_ids, batch.labels, None, "allgather", None, positions)
+    labels = script.forward_shard(model, batch.input_ids, batch.labels, None, "allgather", cp_state)
     script.head_loss(model, hidden["last"], labels, cfg.eval.loss_chunk_tokens)
     handle.remove()
 

@@ -36,13 +36,13 @@ from torch.distributed.tensor.experimental._context_parallel._attention import c
 
 from common import cp
 from common.config import Config, ConfigError
-from common.config_sources import parse_args, run_cli
-from common.data import build_batches
+from common.data.batches import build_batches
 from common.loss import chunk_logits
 from common.mesh import build_dp_mesh, gather, init_distributed, resolve_device
-from common.metrics import GIB, event_line, peak_memory_bytes, reset_peak_memory
 from common.model import build_meta_model, init_buffers, load_model_config
-from common.profiling import prepare_diagnostics
+from common.ops.cli import parse_args, run_cli
+from common.ops.metrics import GIB, event_line, peak_memory_bytes, reset_peak_memory
+from common.ops.profiling import prepare_diagnostics
 from common.weights import is_sharded_export, load_hf_weights, load_sharded_export
 from common.wrap import apply_fsdp, resolve_layer_classes
 
@@ -107,31 +107,40 @@ def check_config(cfg: Config, world_size: int) -> str:
             "metrics.profile_steps or metrics.memory_snapshot is set; they trace training steps, which "
             "eval_cp.py has none of, so remove them (docs/debugging.md)"
         )
-    if cfg.data.tokenizer is None and os.path.exists(
-        os.path.join(cfg.model.name_or_path, "tokenizer_config.json")
-    ):
-        cfg.data.tokenizer = cfg.model.name_or_path  # the tokenizer the checkpoint was trained with
-    cfg.model.attn_implementation = cp.TORCH_ATTENTION if attention == "torch_cp" else cp.ATTENTION
+    if cfg.fsdp.xla:
+        raise ConfigError(
+            "fsdp.xla is true, which is the PyTorch/XLA recipe: run scripts/tpu_xla_fsdp.py, or set "
+            "fsdp.xla=false"
+        )
+    if cfg.fsdp.xla_fsdp_settings or cfg.fsdp.xla_fsdp_grad_ckpt:
+        raise ConfigError(
+            "fsdp.xla_fsdp_settings / xla_fsdp_grad_ckpt are set but fsdp.xla is false; they apply "
+            "only to scripts/tpu_xla_fsdp.py with fsdp.xla=true"
+        )
     return attention
 
 
-def forward_shard(model, input_ids, labels, position_ids, attention: str, cp_mesh, positions) -> torch.Tensor:
+def forward_shard(
+    model, input_ids, labels, position_ids, attention: str, cp_state: cp.CpState
+) -> torch.Tensor:
     """Run the model on this cp rank's share of every sequence; returns the labels of its positions."""
     if attention == "torch_cp":  # torch shards the three buffers in place, then runs ring attention
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).repeat(len(input_ids), 1)
         buffers = [input_ids, labels, position_ids]
         with context_parallel(
-            cp_mesh["cp"], buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)
+            cp_state.mesh["cp"], buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)
         ):
             model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=1, use_cache=False)
         return labels
     # All-gather attention: this rank's positions, by index. With data.document_mask the position ids restart
     # per document, and the attention masks by them.
-    position_ids = (
-        positions.expand(len(input_ids), -1) if position_ids is None else position_ids[:, positions]
-    )
-    model(input_ids=input_ids[:, positions], position_ids=position_ids, logits_to_keep=1, use_cache=False)
-    return labels[:, positions]
+    if position_ids is None:
+        position_ids = cp_state.positions.expand(len(input_ids), -1)
+    else:
+        position_ids = cp_state.shard(position_ids)
+    inputs = dict(input_ids=cp_state.shard(input_ids), position_ids=position_ids, cp=cp_state)
+    model(**inputs, logits_to_keep=1, use_cache=False)
+    return cp_state.shard(labels)
 
 
 def summarize(totals: torch.Tensor, seconds: float, **details) -> dict:
@@ -150,6 +159,11 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv, description=__doc__)
     p, e, seq_len = cfg.parallelism, cfg.eval, cfg.data.seq_len
     attention = check_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    cfg.model.attn_implementation = cp.use_cp_attention(torch_cp=attention == "torch_cp")
+    if cfg.data.tokenizer is None and os.path.exists(
+        os.path.join(cfg.model.name_or_path, "tokenizer_config.json")
+    ):
+        cfg.data.tokenizer = cfg.model.name_or_path  # the tokenizer the checkpoint was trained with
     hf_config = load_model_config(cfg.model, seq_len)
     cp.check_cp(seq_len, p.cp_size, e.load_balance, hf_config)
     model = build_meta_model(hf_config, cfg.model)  # on `meta`: no memory yet
@@ -159,9 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     prepare_diagnostics(cfg)  # NCCL's flight recorder dumps under the run directory on a timeout
     d = init_distributed(cfg.train.device, p.timeout_minutes)
     dp_size = d.world_size // p.cp_size
-    positions, dp_rank, cp_mesh = cp.setup(
-        seq_len, p.cp_size, e.load_balance, d.device, cfg.data.document_mask
-    )
+    cp_state = cp.setup(seq_len, p.cp_size, e.load_balance, d.device, cfg.data.document_mask)
     set_rotate_method(p.cp_comm_strategy)  # torch_cp only: how K/V shards travel between cp ranks
     # torch_cp only: its head-tail shards, the same as ours; torch 2.13 has no public switch for it.
     _cp_options.enable_load_balance = e.load_balance
@@ -193,13 +205,13 @@ def main(argv: list[str] | None = None) -> None:
     with torch.no_grad():
         for first in range(0, num, dp_size * e.batch_size):
             # Every rank runs every step (FSDP's all-gathers need all ranks); rows past the end score nothing.
-            index = [first + dp_rank * e.batch_size + i for i in range(e.batch_size)]
+            index = [first + cp_state.dp_rank * e.batch_size + i for i in range(e.batch_size)]
             rows = [i if i < num else 0 for i in index]
             labels = batch.labels[rows].clone()
             labels[[j for j, i in enumerate(index) if i >= num]] = -100
             position_ids = None if batch.position_ids is None else batch.position_ids[rows].to(d.device)
             input_ids, labels = batch.input_ids[rows].to(d.device), labels.to(d.device)
-            labels = forward_shard(model, input_ids, labels, position_ids, attention, cp_mesh, positions)
+            labels = forward_shard(model, input_ids, labels, position_ids, attention, cp_state)
             totals += head_loss(model, hidden["last"], labels, e.loss_chunk_tokens).cpu()
     dist.all_reduce(totals)  # over dp x cp: the cp shards partition each sequence, so no token counts twice
     layout = dict(sequences=num, seq_len=seq_len, cp_size=p.cp_size, dp_size=dp_size, attention=attention)

@@ -25,27 +25,30 @@ import torch
 import torch.distributed as dist
 
 from common import loss
-from common.checkpoint import find_resume_checkpoint, load_checkpoint
+from common.checkpoint import load_checkpoint, save_checkpoint, train_state
 from common.config import Config, ConfigError, TrainConfig
-from common.config_sources import parse_args, run_cli
-from common.data import Batch, check_batch_sizes, check_vocab_size, load_tokenizer
-from common.embedded import ensure_embedded_tokenizer
-from common.lifecycle import Bookkeeping, check_shared_storage
-from common.mesh import (
+from common.data.batches import Batch, check_batch_sizes, check_vocab_size
+from common.data.sft import build_sft_batches, eval_batches
+from common.mesh import gather, init_distributed
+from common.model import build_meta_model, init_buffers, load_model_config
+from common.moe import (
     MoeSizes,
+    RouterLogits,
+    apply_tp_ep,
     build_moe_meshes,
     data_parallel_rank,
     fsdp_meshes,
-    gather,
-    init_distributed,
+    moe_parts,
     resolve_moe_sizes,
+    router_load,
 )
-from common.metrics import MetricsLogger, StepTimer, final_record, model_ready, reset_peak_memory
-from common.model import build_meta_model, init_buffers, load_model_config
-from common.moe import RouterLogits, apply_tp_ep, check_moe, router_load
+from common.ops.async_save import BackgroundSaves
+from common.ops.cli import parse_args, run_cli
+from common.ops.metrics import MetricsLogger, StepLog, final_record, model_ready_record
+from common.ops.profiling import prepare_diagnostics
+from common.ops.run_dir import check_shared_storage, find_resume_checkpoint
+from common.ops.stopping import StopRules
 from common.optim import build_optimizer, clip_grad_norm_, lr_multiplier
-from common.profiling import prepare_diagnostics
-from common.sft import build_sft_batches, eval_batches
 from common.weights import export_final, load_or_init_weights
 from common.wrap import apply_fsdp, resolve_layer_classes
 
@@ -135,8 +138,10 @@ def evaluate(model, batches: list[Batch], loss_fn: MoeLoss, device, tp: int) -> 
 
 
 @torch.no_grad()
-def fixed_batch_loss(model, batch: Batch, loss_fn: MoeLoss, device) -> float:
-    """Mean answer-token loss on a fixed batch: plain Transformers must reproduce it from the export."""
+def fixed_batch_loss(model, data, loss_fn: MoeLoss, device, micro_batch: int) -> float:
+    """Mean answer-token loss on a fixed batch (the data's first rows): plain Transformers must reproduce it
+    from the export."""
+    batch = data.fixed_batch(micro_batch)
     return (loss_fn(model, batch, device)[0] / (batch.labels != -100).sum()).item()
 
 
@@ -165,7 +170,7 @@ def moe_details(experts: list, loss_fn: MoeLoss) -> dict:
 
 def check_config(cfg: Config, world_size: int, model) -> tuple[MoeSizes, int, Callable]:
     """Bad sizes and keys fail here, before any process group or memory: (sizes, experts, aux loss)."""
-    t = cfg.train
+    t, p = cfg.train, cfg.parallelism
     if t.compile:
         raise ConfigError(
             "train.compile is true but EP's all-to-all reads split sizes on the host every layer, "
@@ -173,8 +178,36 @@ def check_config(cfg: Config, world_size: int, model) -> tuple[MoeSizes, int, Ca
         )
     if cfg.data.dataset == "embedded":
         raise ConfigError("data.dataset is 'embedded' (pretraining text); give SFT JSONL or 'arithmetic'")
-    num_experts, aux_loss_fn = check_moe(model, cfg.model.name_or_path or "model.config")
-    sizes = resolve_moe_sizes(cfg.parallelism, world_size, num_experts)
+    if cfg.fsdp.xla:
+        raise ConfigError(
+            "fsdp.xla is true, which is the PyTorch/XLA recipe: run scripts/tpu_xla_fsdp.py, or set "
+            "fsdp.xla=false"
+        )
+    if cfg.fsdp.xla_fsdp_settings or cfg.fsdp.xla_fsdp_grad_ckpt:
+        raise ConfigError(
+            "fsdp.xla_fsdp_settings / xla_fsdp_grad_ckpt are set but fsdp.xla is false; they apply "
+            "only to scripts/tpu_xla_fsdp.py with fsdp.xla=true"
+        )
+    for key in ("cp_size", "sp_size"):
+        if getattr(p, key) != 1:
+            raise ConfigError(
+                f"parallelism.{key} is {getattr(p, key)} but finetune_moe_ep_fsdp.py has no context "
+                f"parallelism; set it to 1"
+            )
+    if p.dp_shard_size != -1:
+        raise ConfigError(
+            f"parallelism.dp_shard_size is {p.dp_shard_size}; finetune_moe_ep_fsdp.py uses "
+            f"Transformers' name for it, set parallelism.fsdp_size instead"
+        )
+    parts = moe_parts(model)
+    if parts is None:
+        raise ConfigError(
+            f"model {cfg.model.name_or_path or 'model.config'} is a {type(model).__name__}, not a "
+            f"mixture-of-experts model with an expert plan; use scripts/pretrain_fsdp.py for dense models, "
+            f"or a Qwen3-MoE/Mixtral-style MoE"
+        )
+    num_experts, aux_loss_fn = parts
+    sizes = resolve_moe_sizes(p, world_size, num_experts)
     check_batch_sizes(t, sizes.dp)
     resolve_layer_classes(model, cfg.fsdp)  # a bad class name fails before any process group exists
     return sizes, num_experts, aux_loss_fn
@@ -182,10 +215,11 @@ def check_config(cfg: Config, world_size: int, model) -> tuple[MoeSizes, int, Ca
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv, description=__doc__)
-    t, run_dir = cfg.train, cfg.checkpoint.dir
+    t, c = cfg.train, cfg.checkpoint
     hf_config = load_model_config(cfg.model, cfg.data.seq_len)
     model = build_meta_model(hf_config, cfg.model, t.gradient_checkpointing)  # on `meta`: no memory yet
     sizes, num_experts, aux_loss_fn = check_config(cfg, int(os.environ.get("WORLD_SIZE", 1)), model)
+    loss.compute_loss_in_output_layer(model)  # train.loss_chunk_tokens: no full-vocabulary logits
 
     # Two views of the same ranks: dense (dp_replicate, fsdp, tp) and expert (dp_replicate, efsdp, ep).
     prepare_diagnostics(cfg)  # NCCL's flight recorder dumps under the run directory on a timeout
@@ -195,14 +229,12 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(t.seed)
 
     # SFT data: loss only on answers; rows packed or padded, sampled the same way on any world size.
-    ensure_embedded_tokenizer(cfg.data, d.is_main)
-    tokenizer = load_tokenizer(cfg.data)
-    check_vocab_size(len(tokenizer), hf_config.vocab_size)
-    data = build_sft_batches(
-        cfg.data, tokenizer, t.seed, t.global_batch_size, t.micro_batch_size, dp_rank, sizes.dp, d.is_main
+    tokenizer, data = build_sft_batches(
+        cfg.data, t.seed, t.global_batch_size, t.micro_batch_size, dp_rank, sizes.dp, d.is_main
     )
+    check_vocab_size(len(tokenizer), hf_config.vocab_size)
     held_out = eval_batches(cfg.data, cfg.eval, tokenizer, dp_rank, sizes.dp, d.is_main)  # [] without one
-    check_shared_storage(run_dir)  # multi-node: a node-local checkpoint.dir could never be resumed
+    check_shared_storage(c.dir)  # multi-node: a node-local checkpoint.dir could never be resumed
 
     # TP and EP from the model's own plans, then FSDP: experts over (dp_replicate, efsdp), the rest over
     # (dp_replicate, fsdp). Still on `meta`: no rank ever holds the full model.
@@ -213,44 +245,50 @@ def main(argv: list[str] | None = None) -> None:
     init_buffers(model, d.device)
     optimizer = build_optimizer(model, cfg, d.device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
-    resume_from = find_resume_checkpoint(run_dir, cfg.checkpoint.resume)
+    resume_from = find_resume_checkpoint(c.dir, c.resume)
     start_step, samples = 0, 0  # samples: the global data position, the same on any world size
     if resume_from:  # weights, optimizer, scheduler and RNG, resharded to this world size
         state = load_checkpoint(resume_from, model, optimizer, scheduler)
         start_step, samples = state["step"], state["samples"]
     else:
         load_or_init_weights(model, cfg, hf_config.initializer_range)
-    model.train()
     loss_fn = MoeLoss(model, aux_loss_fn, num_experts, t, sizes.tp)
 
     logger = MetricsLogger(cfg, d.is_main)
     details = dict(resumed_from=resume_from, start_step=start_step, **moe_details(experts, loss_fn))
-    logger.log(model_ready(model, d.device, cfg.fsdp, dense_mesh, **details, **sharding))
-    reset_peak_memory(d.device)
-    if held_out and start_step == 0:
+    logger.log(model_ready_record(model, d.device, cfg.fsdp, dense_mesh, **details, **sharding))
+    step_log = StepLog(cfg, logger, start_step, d.device)  # no MFU: only the routed experts compute
+    stop, background, stopping = StopRules(cfg, start_step, d.device), BackgroundSaves(logger), None
+    if held_out and start_step == 0:  # the held-out loss before training
         eval_loss = evaluate(model, held_out, loss_fn, d.device, sizes.tp)
         logger.log({"event": "eval", "step": 0, "eval_loss": eval_loss})
-
-    parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, data=data, tokenizer=tokenizer)
-    with Bookkeeping(cfg, logger, start_step, d.device, StepTimer(t.steps, d.world_size), **parts) as book:
+    with step_log, stop, background:
         for step in range(start_step + 1, t.steps + 1):
-            micro_batches = data.micro_batches(samples)
-            stats = train_step(model, optimizer, micro_batches, loss_fn, d.device, t, sizes.tp)
+            stats = train_step(model, optimizer, data.micro_batches(samples), loss_fn, d.device, t, sizes.tp)
             samples += t.global_batch_size
+            stopping = stop.after_step(step, stats["loss"])  # None, or "preempted", "train.stop_after"
+            background.finish_if_written()  # a background write that every rank has finished
             stats.update(lr=scheduler.get_last_lr()[0], samples=samples)
+            step_log.log(step, stats, tokens=stats["tokens_processed"])
             scheduler.step()
-            # Log, checkpoint when due; True when the run stops early (preempted, stop_after), checkpointed.
-            if book.after_step(step, stats, stats["tokens_processed"]):
+            if stopping or step == t.steps or (c.interval and step % c.interval == 0):
+                state = train_state(step, samples, stats["loss"], scheduler, data)
+                if c.async_save:  # DCP writes in the background; completed and logged once written
+                    background.start(c.dir, step, model, optimizer, state, c.keep_latest, tokenizer)
+                else:
+                    path = save_checkpoint(c.dir, step, model, optimizer, state, c.keep_latest, tokenizer)
+                    logger.log({"event": "checkpoint", "step": step, "path": path})
+            if stopping:
+                logger.log({"event": "stopped", "step": step, "reason": stopping})
                 break
 
-    if not book.stopped:
-        final = {**final_record(model, optimizer, d.device), "step": t.steps}  # training's peak memory
-        fixed = data.fixed_batch(t.micro_batch_size)
-        final["fixed_batch_loss"] = fixed_batch_loss(model, fixed, loss_fn, d.device)
+    if not stopping:
+        fixed_loss = fixed_batch_loss(model, data, loss_fn, d.device, t.micro_batch_size)
+        final = {**final_record(model, optimizer, d.device), "step": t.steps, "fixed_batch_loss": fixed_loss}
         if held_out:
             final["eval_loss"] = evaluate(model, held_out, loss_fn, d.device, sizes.tp)
         logger.log(final)
-        if cfg.checkpoint.export:
+        if c.export:
             path = export_final(model, cfg, tokenizer, d.device.type)
             logger.log({"event": "exported", "path": path, "state_dict_type": cfg.fsdp.state_dict_type})
     logger.close()

@@ -18,53 +18,50 @@ import torch
 import torch.distributed as dist
 
 from common import cp, loss
-from common.checkpoint import find_resume_checkpoint, load_checkpoint
-from common.config import Config, TrainConfig
-from common.config_sources import parse_args, run_cli
-from common.data import Batch, build_batches, check_batch_sizes, check_vocab_size
-from common.lifecycle import Bookkeeping, check_shared_storage
-from common.mesh import build_dp_mesh, gather, init_distributed, resolve_dp_sizes
-from common.metrics import (
+from common.checkpoint import load_checkpoint, save_checkpoint, train_state
+from common.config import Config, ConfigError, TrainConfig
+from common.data.batches import Batch, build_batches, check_batch_sizes, check_vocab_size
+from common.mesh import build_dp_mesh, init_distributed, resolve_dp_sizes
+from common.model import build_meta_model, init_buffers, load_model_config
+from common.ops.async_save import BackgroundSaves
+from common.ops.cli import parse_args, run_cli
+from common.ops.metrics import (
     MetricsLogger,
-    StepTimer,
-    device_peak_flops,
+    StepLog,
     final_record,
     flops_per_token,
-    model_ready,
-    reset_peak_memory,
+    model_ready_record,
 )
-from common.model import build_meta_model, init_buffers, load_model_config
+from common.ops.profiling import prepare_diagnostics
+from common.ops.run_dir import check_shared_storage, find_resume_checkpoint
+from common.ops.stopping import StopRules
 from common.optim import build_optimizer, clip_grad_norm_, lr_multiplier
-from common.profiling import prepare_diagnostics
 from common.weights import export_final, load_or_init_weights
 from common.wrap import apply_fsdp, resolve_layer_classes
 
 
 def token_loss_sum(
-    model: torch.nn.Module,
-    batch: Batch,
-    device: torch.device,
-    cp_positions: torch.Tensor | None,
-    chunk_tokens: int,
+    model: torch.nn.Module, batch: Batch, device: torch.device, cp_state: cp.CpState | None, chunk_tokens: int
 ) -> torch.Tensor:
     """Summed token loss; with context parallelism, over this rank's positions of each sequence only.
     With data.document_mask the batch's position ids restart per document, which keeps attention inside it.
     The output layer and loss run chunk_tokens tokens at a time (common/loss.py)."""
     input_ids, labels = batch.input_ids.to(device), batch.labels.to(device)
     position_ids = None if batch.position_ids is None else batch.position_ids.to(device)
-    if cp_positions is not None:  # labels were shifted on the full row; everything is sharded the same way
-        input_ids, labels = input_ids[:, cp_positions], labels[:, cp_positions]
-        position_ids = (
-            cp_positions.expand(len(input_ids), -1)
-            if position_ids is None
-            else (position_ids[:, cp_positions])
+    if cp_state is None:
+        return loss.token_loss_sum(
+            model, labels, chunk_tokens, input_ids=input_ids, position_ids=position_ids
         )
-    return loss.token_loss_sum(model, labels, chunk_tokens, input_ids=input_ids, position_ids=position_ids)
+    # Labels were shifted on the full row; inputs, labels and positions are sharded the same way.
+    if position_ids is None:
+        position_ids = cp_state.positions.expand(len(input_ids), -1)
+    else:
+        position_ids = cp_state.shard(position_ids)
+    inputs = dict(input_ids=cp_state.shard(input_ids), position_ids=position_ids, cp=cp_state)
+    return loss.token_loss_sum(model, cp_state.shard(labels), chunk_tokens, **inputs)
 
 
-def train_step(
-    model, optimizer, micro_batches, device, cp_positions: torch.Tensor | None, t: TrainConfig
-) -> dict:
+def train_step(model, optimizer, micro_batches, device, cp_state: cp.CpState | None, t: TrainConfig) -> dict:
     """One optimizer step over this rank's micro-batches: mean token loss, grad norm, tokens.
 
     The loss is divided by the number of target tokens summed over all ranks and micro-batches, and FSDP
@@ -72,16 +69,14 @@ def train_step(
     with or without padding.
     """
     # Counted on the shards each rank trains on: cp shards partition a sequence, so no token counts twice.
-    shard = (
-        (lambda labels: labels) if cp_positions is None else (lambda labels: labels[:, cp_positions.cpu()])
-    )
+    shard = (lambda labels: labels) if cp_state is None else cp_state.shard
     local_tokens = sum(int((shard(b.labels) != -100).sum()) for b in micro_batches)
     global_tokens = torch.tensor(local_tokens, device=device, dtype=torch.float64)
     dist.all_reduce(global_tokens)
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     for i, batch in enumerate(micro_batches):
         model.set_requires_gradient_sync(t.sync_each_batch or i == len(micro_batches) - 1)
-        summed = token_loss_sum(model, batch, device, cp_positions, t.loss_chunk_tokens)
+        summed = token_loss_sum(model, batch, device, cp_state, t.loss_chunk_tokens)
         (summed / global_tokens.float()).backward()
         loss_sum += summed.detach()
     grad_norm = clip_grad_norm_(model.parameters(), t.max_grad_norm)
@@ -96,49 +91,70 @@ def train_step(
 
 
 @torch.no_grad()
-def fixed_batch_loss(model, batch, device, cp_positions: torch.Tensor | None, chunk_tokens: int) -> float:
-    """Mean token loss on a fixed batch (the first rows of the data), to check exports against."""
-    summed = token_loss_sum(model, batch, device, cp_positions, chunk_tokens)
-    if cp_positions is not None:
-        dist.all_reduce(summed, group=cp.CP["group"])  # each cp rank scored its own positions
+def fixed_batch_loss(model, data, device, cp_state: cp.CpState | None, t: TrainConfig) -> float | None:
+    """Mean token loss on a fixed batch (the data's first rows), to check exports against; none for a
+    stream, which has no first rows that another run could rebuild."""
+    if not hasattr(data, "fixed_batch"):
+        return None
+    batch = data.fixed_batch(t.micro_batch_size)
+    summed = token_loss_sum(model, batch, device, cp_state, t.loss_chunk_tokens)
+    if cp_state is not None:
+        dist.all_reduce(summed, group=cp_state.group)  # each cp rank scored its own positions
     return (summed / (batch.labels != -100).sum()).item()
 
 
 def check_config(cfg: Config, world_size: int) -> tuple[int, int, int]:
     """Bad sizes fail here, before any process group or memory: (dp_replicate, dp_shard, dp_size)."""
-    dp_replicate, dp_shard = resolve_dp_sizes(cfg.parallelism, world_size)
-    dp_size = world_size // cfg.parallelism.cp_size  # the cp ranks of a data-parallel group share its batch
+    p = cfg.parallelism
+    for key in ("ep_size", "tp_size", "sp_size"):
+        if getattr(p, key) != 1:
+            raise ConfigError(
+                f"parallelism.{key} is {getattr(p, key)} but pretrain_fsdp.py has no expert or tensor "
+                f"parallelism; set it to 1 (EP/TP: finetune_moe_ep_fsdp.py)"
+            )
+    if cfg.fsdp.xla:
+        raise ConfigError(
+            "fsdp.xla is true, which is the PyTorch/XLA recipe: run scripts/tpu_xla_fsdp.py, or set "
+            "fsdp.xla=false"
+        )
+    if cfg.fsdp.xla_fsdp_settings or cfg.fsdp.xla_fsdp_grad_ckpt:
+        raise ConfigError(
+            "fsdp.xla_fsdp_settings / xla_fsdp_grad_ckpt are set but fsdp.xla is false; they apply "
+            "only to scripts/tpu_xla_fsdp.py with fsdp.xla=true"
+        )
+    dp_replicate, dp_shard = resolve_dp_sizes(p, world_size)
+    dp_size = world_size // p.cp_size  # the cp ranks of a data-parallel group share its batch
     check_batch_sizes(cfg.train, dp_size)
-    if cfg.parallelism.cp_size > 1:
-        cfg.model.attn_implementation = cp.ATTENTION  # K/V all-gathered over the cp group (common/cp.py)
     return dp_replicate, dp_shard, dp_size
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv, description=__doc__)
-    t, cp_size, run_dir = cfg.train, cfg.parallelism.cp_size, cfg.checkpoint.dir
+    t, c, seq_len, cp_size = cfg.train, cfg.checkpoint, cfg.data.seq_len, cfg.parallelism.cp_size
     dp_replicate, dp_shard, dp_size = check_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
-    hf_config = load_model_config(cfg.model, cfg.data.seq_len)
-    cp.check_cp(cfg.data.seq_len, cp_size, True, hf_config)
+    if cp_size > 1:  # attention all-gathers K/V over the cp group (common/cp.py)
+        cfg.model.attn_implementation = cp.use_cp_attention()
+    hf_config = load_model_config(cfg.model, seq_len)
+    cp.check_cp(seq_len, cp_size, True, hf_config)
     model = build_meta_model(hf_config, cfg.model, t.gradient_checkpointing)  # on `meta`: no memory yet
     resolve_layer_classes(model, cfg.fsdp)  # a bad class name fails before any process group exists
+    loss.compute_loss_in_output_layer(model)  # train.loss_chunk_tokens: no full-vocabulary logits
 
     # Process group and mesh: 1-D FSDP, or 2-D (dp_replicate, dp_shard) HSDP; with CP, FSDP shards over
     # dp_shard x cp and each rank trains on its head-tail share of every sequence's positions.
     prepare_diagnostics(cfg)  # NCCL's flight recorder dumps under the run directory on a timeout
     d = init_distributed(t.device, cfg.parallelism.timeout_minutes)
     mesh = build_dp_mesh(d.device.type, dp_replicate, dp_shard * cp_size)
-    cp_positions, dp_rank = None, d.rank
-    if cp_size > 1:
-        cp_positions, dp_rank, _ = cp.setup(cfg.data.seq_len, cp_size, True, d.device, cfg.data.document_mask)
+    cp_state = cp.setup(seq_len, cp_size, True, d.device, cfg.data.document_mask) if cp_size > 1 else None
     torch.manual_seed(t.seed)
 
     # Data before the model, so a missing dataset or tokenizer fails before any memory is allocated.
+    dp_rank = d.rank if cp_state is None else cp_state.dp_rank
     tokenizer, data = build_batches(
         cfg.data, t.seed, t.global_batch_size, t.micro_batch_size, dp_rank, dp_size, is_main=d.is_main
     )
     check_vocab_size(len(tokenizer), hf_config.vocab_size)
-    check_shared_storage(run_dir)  # multi-node: a node-local checkpoint.dir could never be resumed
+    check_shared_storage(c.dir)  # multi-node: a node-local checkpoint.dir could never be resumed
 
     # Shard first, then allocate: no rank ever holds the full fp32 model.
     sharding = apply_fsdp(model, mesh, cfg.fsdp, d.device.type, compile_layers=t.compile)
@@ -146,45 +162,42 @@ def main(argv: list[str] | None = None) -> None:
     init_buffers(model, d.device)
     optimizer = build_optimizer(model, cfg, d.device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
-    resume_from = find_resume_checkpoint(run_dir, cfg.checkpoint.resume)
+    resume_from = find_resume_checkpoint(c.dir, c.resume)
     start_step, samples = 0, 0  # samples: the global data position, the same on any world size
     if resume_from:  # weights, optimizer, scheduler, RNG and data position, resharded to this world size
-        state = load_checkpoint(resume_from, model, optimizer, scheduler)
-        data.load_state_dict(state["data"])
+        state = load_checkpoint(resume_from, model, optimizer, scheduler, data)
         start_step, samples = state["step"], state["samples"]
     else:
         load_or_init_weights(model, cfg, hf_config.initializer_range)
-    model.train()
 
     logger = MetricsLogger(cfg, d.is_main)
     details = dict(data=getattr(data, "tokens_path", None), resumed_from=resume_from, start_step=start_step)
-    logger.log(model_ready(model, d.device, cfg.fsdp, mesh, **details, **sharding))
-    reset_peak_memory(d.device)
-    peak_flops = cfg.metrics.peak_flops or device_peak_flops(d.device)
-    timer = StepTimer(t.steps, d.world_size, flops_per_token(model, cfg.data.seq_len), peak_flops)
-    parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, data=data, tokenizer=tokenizer)
-    with Bookkeeping(cfg, logger, start_step, d.device, timer, **parts) as book:
+    logger.log(model_ready_record(model, d.device, cfg.fsdp, mesh, **details, **sharding))
+    step_log = StepLog(cfg, logger, start_step, d.device, flops_per_token(model, seq_len))
+    stop, background, stopping = StopRules(cfg, start_step, d.device), BackgroundSaves(logger), None
+    with step_log, stop, background:
         for step in range(start_step + 1, t.steps + 1):
-            micro_batches = data.micro_batches(samples)
-            result = train_step(model, optimizer, micro_batches, d.device, cp_positions, t)
+            result = train_step(model, optimizer, data.micro_batches(samples), d.device, cp_state, t)
             samples += t.global_batch_size
-            stats = {**result, "lr": scheduler.get_last_lr()[0], "samples": samples}
-            if cfg.metrics.sample_ids:
-                stats["sample_ids"] = gather([i for b in micro_batches for i in b.sample_ids])
+            stopping = stop.after_step(step, result["loss"])  # None, or "preempted", "train.stop_after"
+            background.finish_if_written()  # a background write that every rank has finished
+            step_log.log(step, {**result, "lr": scheduler.get_last_lr()[0], "samples": samples})
             scheduler.step()
-            # Log, checkpoint when due; True when the run stops early (preempted, stop_after), checkpointed.
-            if book.after_step(step, stats, result["tokens"]):
+            if stopping or step == t.steps or (c.interval and step % c.interval == 0):
+                state = train_state(step, samples, result["loss"], scheduler, data)
+                if c.async_save:  # DCP writes in the background; completed and logged once written
+                    background.start(c.dir, step, model, optimizer, state, c.keep_latest, tokenizer)
+                else:
+                    path = save_checkpoint(c.dir, step, model, optimizer, state, c.keep_latest, tokenizer)
+                    logger.log({"event": "checkpoint", "step": step, "path": path})
+            if stopping:
+                logger.log({"event": "stopped", "step": step, "reason": stopping})
                 break
 
-    if not book.stopped:
-        final = final_record(model, optimizer, d.device)  # training's peak memory, every rank
-        if not cfg.data.streaming:
-            fixed = data.fixed_batch(t.micro_batch_size)
-            final["fixed_batch_loss"] = fixed_batch_loss(
-                model, fixed, d.device, cp_positions, t.loss_chunk_tokens
-            )
-        logger.log(final)
-        if cfg.checkpoint.export:
+    if not stopping:
+        fixed_loss = fixed_batch_loss(model, data, d.device, cp_state, t)
+        logger.log({**final_record(model, optimizer, d.device), "fixed_batch_loss": fixed_loss})
+        if c.export:
             path = export_final(model, cfg, tokenizer, d.device.type)
             logger.log({"event": "exported", "path": path, "state_dict_type": cfg.fsdp.state_dict_type})
     logger.close()

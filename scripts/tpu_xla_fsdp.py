@@ -34,15 +34,16 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from common.checkpoint import checkpoints_dir, find_resume_checkpoint, publish_checkpoint, restore_train_state
+from common.checkpoint import checkpoints_dir, finish_checkpoint, restore_train_state, train_state
 from common.config import Config, ConfigError, FsdpConfig
-from common.config_sources import parse_args, run_cli
-from common.data import build_batches, check_vocab_size
-from common.lifecycle import Bookkeeping
-from common.metrics import MetricsLogger, StepTimer, flops_per_token
+from common.data.batches import build_batches, check_vocab_size
 from common.model import build_meta_model, init_buffers, init_weights, load_model_config
+from common.ops.cli import parse_args, run_cli
+from common.ops.metrics import MetricsLogger, StepLog, flops_per_token
+from common.ops.run_dir import find_resume_checkpoint
+from common.ops.stopping import StopRules
 from common.optim import NonFiniteGradients, build_optimizer, lr_multiplier
-from common.weights import is_sharded_export, prepare_for_generation, publish, write_hf_directory
+from common.weights import is_sharded_export, move_into_place, prepare_for_generation, write_hf_directory
 from common.wrap import plan_units, resolve_layer_classes
 
 try:
@@ -73,6 +74,11 @@ def xla_settings(fsdp: FsdpConfig) -> tuple[dict, torch.dtype]:
     arguments, so compute_dtype becomes autocast around the forward (master weights stay fp32, as FSDPv1's
     compute_dtype does); FSDPv1-only settings are errors rather than silently dropped.
     """
+    if not fsdp.xla:
+        raise ConfigError(
+            "fsdp.xla is false but scripts/tpu_xla_fsdp.py is the PyTorch/XLA recipe; set "
+            "fsdp.xla=true (on GPUs, use scripts/pretrain_fsdp.py)"
+        )
     settings = dict(fsdp.xla_fsdp_settings)
     for key in DTYPE_SETTINGS & settings.keys():
         dtype = getattr(torch, str(settings[key]), None)
@@ -272,8 +278,8 @@ def train_step(model, optimizer, micro_batches, mesh, compute_dtype, max_grad_no
 def save_checkpoint(
     run_dir: str, step: int, model, optimizer, train_state: dict, keep_latest: int, tokenizer
 ) -> str:
-    """DCP of the sharded model and optimizer state (each device's shard written as is), then published as
-    pretrain_fsdp.py publishes its checkpoints. Tensors only: the param groups come from the config."""
+    """DCP of the sharded model and optimizer state (each device's shard written as is), then completed and
+    renamed as pretrain_fsdp.py's checkpoints are. Tensors only: the param groups come from the config."""
     final = os.path.join(checkpoints_dir(run_dir), f"step-{step}")
     tmp = f"{final}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -281,7 +287,7 @@ def save_checkpoint(
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=SPMDSavePlanner())
     hosts_done()
     if xr.process_index() == 0:
-        publish_checkpoint(tmp, final, train_state, model.module.config, tokenizer, keep_latest)
+        finish_checkpoint(final, train_state, model.module.config, tokenizer, keep_latest)
     hosts_done()
     return final
 
@@ -292,7 +298,7 @@ def hosts_done() -> None:
         torch.distributed.barrier()
 
 
-def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
+def load_checkpoint(path: str, model, optimizer, scheduler, data) -> dict:
     prime_optimizer(optimizer)  # DCP loads in place: the optimizer state must exist, with its sharding
     state = {"model": model.state_dict(), "optim": optimizer.state_dict()["state"]}
     dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=SPMDLoadPlanner())
@@ -300,7 +306,7 @@ def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
     optimizer.load_state_dict(
         {"state": state["optim"], "param_groups": optimizer.state_dict()["param_groups"]}
     )
-    return restore_train_state(path, optimizer, scheduler)
+    return restore_train_state(path, optimizer, scheduler, data)
 
 
 def export(model, cfg: Config, tokenizer, compute_dtype: torch.dtype) -> str:
@@ -322,13 +328,13 @@ def export(model, cfg: Config, tokenizer, compute_dtype: torch.dtype) -> str:
             model.module.config.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
     if xr.process_index() == 0:
-        publish(tmp, out_dir)
+        move_into_place(tmp, out_dir)
     hosts_done()
     return out_dir
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_args(argv, description=__doc__, xla=True)
+    cfg = parse_args(argv, description=__doc__)
     settings, compute_dtype = xla_settings(cfg.fsdp)
     require_torch_xla()
     if xr.process_count() > 1:
@@ -339,7 +345,7 @@ def main(argv: list[str] | None = None) -> None:
     check_xla_config(cfg, num_devices)
     mesh = xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
     xs.set_global_mesh(mesh)
-    t, run_dir, is_main = cfg.train, cfg.checkpoint.dir, xr.process_index() == 0
+    t, c, is_main = cfg.train, cfg.checkpoint, xr.process_index() == 0
 
     # Every host builds the whole global batch (deterministic); each device keeps its slice of the batch dim.
     tokenizer, data = build_batches(
@@ -365,11 +371,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     optimizer = build_optimizer(model, cfg, torch_xla.device())  # foreach AdamW on the XLA tensors
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
-    resume_from = find_resume_checkpoint(run_dir, cfg.checkpoint.resume)
+    resume_from = find_resume_checkpoint(c.dir, c.resume)
     start_step, samples = 0, 0
     if resume_from:
-        state = load_checkpoint(resume_from, model, optimizer, scheduler)
-        data.load_state_dict(state["data"])
+        state = load_checkpoint(resume_from, model, optimizer, scheduler, data)
         start_step, samples = state["step"], state["samples"]
 
     logger = MetricsLogger(cfg, is_main)  # also writes run_config.json
@@ -378,23 +383,29 @@ def main(argv: list[str] | None = None) -> None:
     logger.log({"event": "model_ready", "params": num_params, **units, **where, "start_step": start_step})
 
     # The host's memory for the logs, and the host's flag for a preemption request: the CPU device.
-    timer, host = StepTimer(t.steps, num_devices, model_flops), torch.device("cpu")
-    parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, data=data, tokenizer=tokenizer)
-    with Bookkeeping(cfg, logger, start_step, host, timer, save=save_checkpoint, **parts) as book:
+    host, stopping = torch.device("cpu"), None
+    step_log = StepLog(cfg, logger, start_step, host, model_flops, devices=num_devices)
+    with step_log, StopRules(cfg, start_step, host) as stop:
         for step in range(start_step + 1, t.steps + 1):
-            micro_batches = data.micro_batches(samples)
-            result = train_step(model, optimizer, micro_batches, mesh, compute_dtype, t.max_grad_norm)
+            result = train_step(
+                model, optimizer, data.micro_batches(samples), mesh, compute_dtype, t.max_grad_norm
+            )
             samples += t.global_batch_size
-            stats = {**result, "lr": scheduler.get_last_lr()[0], "samples": samples}
+            stopping = stop.after_step(step, result["loss"])  # None, or "preempted", "train.stop_after"
+            step_log.log(step, {**result, "lr": scheduler.get_last_lr()[0], "samples": samples})
             scheduler.step()
-            # Log, checkpoint when due; True when the run stops early (preempted, stop_after), checkpointed.
-            if book.after_step(step, stats, result["tokens"]):
+            if stopping or step == t.steps or (c.interval and step % c.interval == 0):
+                state = train_state(step, samples, result["loss"], scheduler, data)
+                path = save_checkpoint(c.dir, step, model, optimizer, state, c.keep_latest, tokenizer)
+                logger.log({"event": "checkpoint", "step": step, "path": path})
+            if stopping:
+                logger.log({"event": "stopped", "step": step, "reason": stopping})
                 logger.close()
                 return
 
     fixed_loss = fixed_batch_loss(model, data.fixed_batch(t.micro_batch_size), mesh, compute_dtype)
     logger.log({"event": "final", "fixed_batch_loss": fixed_loss})
-    if cfg.checkpoint.export:
+    if c.export:
         path = export(model, cfg, tokenizer, compute_dtype)
         logger.log({"event": "exported", "path": path, "state_dict_type": cfg.fsdp.state_dict_type})
     logger.close()

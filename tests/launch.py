@@ -44,15 +44,19 @@ def run(
     check: bool = True,
     extra_env: dict | None = None,
     launcher: list[str] | None = None,
+    wrapper: str | None = None,
 ) -> subprocess.CompletedProcess:
-    """nproc == 0 runs plain `python`; otherwise `torchrun --standalone --nproc_per_node nproc`."""
-    path = os.path.join(REPO, "scripts", script)
+    """nproc == 0 runs plain `python`; otherwise `torchrun --standalone --nproc_per_node nproc`. `wrapper`: a
+    test-side script in tests/ that patches the recipe from the outside, then runs it (with_faults.py)."""
+    paths = [os.path.join(REPO, "scripts", script)]
+    if wrapper is not None:
+        paths.insert(0, os.path.join(REPO, "tests", wrapper))
     if launcher is not None:
-        cmd = [*launcher, path, *args]
+        cmd = [*launcher, *paths, *args]
     elif nproc == 0:
-        cmd = [sys.executable, path, *args]
+        cmd = [sys.executable, *paths, *args]
     else:
-        cmd = [*torchrun(nproc), path, *args]
+        cmd = [*torchrun(nproc), *paths, *args]
     return run_command(cmd, timeout, check, extra_env)
 
 

@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import metrics  # noqa: E402
+from common.ops import metrics  # noqa: E402
 
 START, END = "peak_window_start", "peak_window_end"
 PROFILER = profile(activities=[ProfilerActivity.CPU], profile_memory=True)

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
+from with_sample_log import read_sample_log
 
 from common.checkpoint import find_resume_checkpoint
 from launch import (
@@ -69,17 +70,19 @@ def read_metrics_after(run_dir, launch) -> list[dict]:
 
 @pytest.mark.parametrize("first,second", [(4, 2), (2, 4)])
 def test_resume_on_another_world_size_neither_repeats_nor_skips_samples(tmp_path, first, second):
-    common = ["train.steps=8", "checkpoint.interval=2", "metrics.sample_ids=true", "train.micro_batch_size=2"]
-    before = pretrain(tmp_path, *common, "train.stop_after=4", nproc=first)
-    after = read_metrics_after(tmp_path, lambda: pretrain(tmp_path, *common, nproc=second))
+    common = ["train.steps=8", "checkpoint.interval=2", "train.micro_batch_size=2"]
+    logged = dict(wrapper="with_sample_log.py", extra_env={"SAMPLE_LOG": str(tmp_path / "samples")})
+    before = pretrain(tmp_path, *common, "train.stop_after=4", nproc=first, **logged)
+    after = read_metrics_after(tmp_path, lambda: pretrain(tmp_path, *common, nproc=second, **logged))
     assert (
         event(after, "model_ready")["world_size"] == second and event(after, "model_ready")["start_step"] == 4
     )
     records = steps(before + after)
     assert [r["step"] for r in records] == list(range(1, 9))
-    for r in records:
-        consumed = sorted(i for rank_ids in r["sample_ids"] for i in rank_ids)
-        assert consumed == list(range((r["step"] - 1) * 8, r["step"] * 8)), (r["step"], r["sample_ids"])
+    consumed = read_sample_log(str(tmp_path / "samples"))  # {a step's first sample: every rank's samples}
+    assert sorted(consumed) == [(step - 1) * 8 for step in range(1, 9)]
+    for first_sample, samples in consumed.items():
+        assert sorted(samples) == list(range(first_sample, first_sample + 8)), (first_sample, samples)
     # Same samples, same math: the losses follow an uninterrupted run up to reduction-order rounding.
     reference = pretrain(tmp_path / "ref", *common, nproc=first)
     assert losses(after) == pytest.approx(losses(reference)[4:], abs=1e-5)
@@ -101,6 +104,7 @@ def test_torchrun_restarts_a_killed_worker_and_ends_bit_identical(tmp_path, stra
             "--rdzv_id=restart-test",
         ],
         extra_env={**RESTART_ENV, "FSDP2_RECIPES_FAULT": "kill@13:1"},
+        wrapper="with_faults.py",
     )
     records = read_metrics(tmp_path)
     starts = [r for r in records if r.get("event") == "model_ready"]
@@ -117,6 +121,7 @@ def test_a_crash_inside_a_checkpoint_write_leaves_the_previous_one_intact(tmp_pa
         nproc=2,
         check=False,
         extra_env={"FSDP2_RECIPES_FAULT": "save@10:0"},
+        wrapper="with_faults.py",
     )
     assert crashed.returncode != 0
     names = sorted(os.listdir(tmp_path / "checkpoints"))
@@ -140,6 +145,7 @@ def test_async_checkpoints_survive_a_kill_during_a_background_write_and_resume_b
         nproc=2,
         check=False,
         extra_env={"FSDP2_RECIPES_FAULT": "save@10:0"},
+        wrapper="with_faults.py",
     )
     assert crashed.returncode != 0
     # step-10.tmp, partly written, exists once either rank's background thread has begun its write.
@@ -161,6 +167,7 @@ def test_nan_loss_stops_with_a_message_and_keeps_good_checkpoints(tmp_path):
         nproc=2,
         check=False,
         extra_env={"FSDP2_RECIPES_FAULT": "nan@15"},
+        wrapper="with_faults.py",
     )
     assert proc.returncode != 0
     assert "loss is nan at step 15; stopping without saving" in proc.stderr
@@ -177,6 +184,7 @@ def test_a_non_finite_loss_on_one_rank_stops_every_rank(tmp_path):
         nproc=2,
         check=False,
         extra_env={"FSDP2_RECIPES_FAULT": "nan@15:1"},
+        wrapper="with_faults.py",
     )
     assert proc.returncode != 0
     assert proc.stderr.count("at step 15; stopping without saving") == 2, proc.stderr[-3000:]
@@ -194,6 +202,7 @@ def test_non_finite_gradients_stop_every_rank_before_the_optimizer_step(tmp_path
         nproc=2,
         check=False,
         extra_env={"FSDP2_RECIPES_FAULT": fault},
+        wrapper="with_faults.py",
     )
     assert proc.returncode != 0
     stop = "gradient norm is nan at step 15; stopping before the optimizer step"
@@ -212,6 +221,7 @@ def test_a_hung_rank_ends_the_job_within_the_collective_timeout(tmp_path):
         check=False,
         timeout=240,
         extra_env={"FSDP2_RECIPES_FAULT": "hang@3:1"},
+        wrapper="with_faults.py",
     )
     assert proc.returncode != 0
     assert time.monotonic() - start < 120

@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from common.config import ConfigError
-from common.config_sources import load_config, parse_args, run_cli
+from common.ops.cli import parse_args, run_cli
+from common.ops.config_sources import load_config
 from launch import REPO, TINY, event, free_port, pretrain, read_metrics, run
 
 pretrain_script = None

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common.config import DataConfig
-from common.data import (
+from common.data.batches import (
     PAD,
     LocalBatches,
     StreamingBatches,
@@ -84,7 +84,7 @@ def test_each_step_uses_the_same_global_samples_whatever_the_world_size(tmp_path
                     path, 0, 0, global_batch=8, micro_batch=2, dp_rank=rank, dp_size=dp_size
                 )
                 for b in batches.micro_batches(step * 8):
-                    seen += b.sample_ids
+                    seen += b.sample_indices
                     inputs += [row.tolist() for row in b.input_ids]
             assert seen == list(range(step * 8, step * 8 + 8))
             assert inputs == reference.setdefault(step, inputs)

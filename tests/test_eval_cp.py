@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.config import DataConfig
-from common.data import LocalBatches, document_positions, prepare_local_data
+from common.data.batches import LocalBatches, document_positions, prepare_local_data
 from launch import REPO, TINY, run, write_short_documents
 
 EVAL = os.path.join(REPO, "configs", "debug_eval_cp.json")

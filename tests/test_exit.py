@@ -9,12 +9,12 @@ from launch import REPO, TINY, env, read_metrics
 
 # gloo work still in flight when the script returns, on tensors that Python held: the worker that frees
 # such a work during interpreter finalization aborted the process about half the time (SIGABRT,
-# "terminate called without an active exception") before common/mesh.end_process.
+# "terminate called without an active exception") before common/ops/cli.end_process.
 IN_FLIGHT = f"""
 import sys
 sys.path.insert(0, {REPO!r})
 import torch, torch.distributed as dist
-from common.config_sources import run_cli
+from common.ops.cli import run_cli
 from common.mesh import init_distributed
 
 def main(argv):

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from common.config import DataConfig
-from common.data import LocalBatches, load_tokenizer, prepare_local_data
+from common.data.batches import LocalBatches, load_tokenizer, prepare_local_data
 from launch import event, pretrain
 
 

@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MixtralConfig, Qwen3MoeConfig
 
 from common.config import ConfigError, ParallelismConfig
-from common.mesh import resolve_moe_sizes
-from common.moe import check_moe
-from common.sft import arithmetic_examples, build_rows, tokenize_example
+from common.data.sft import arithmetic_examples, build_rows, tokenize_example
+from common.model import build_meta_model, load_model_config
+from common.ops.config_sources import load_config
 from launch import REPO, event, losses, read_metrics, run, steps
 
 MOE = os.path.join(REPO, "configs", "debug_moe.json")
@@ -282,15 +282,31 @@ def test_bf16_mixed_precision_and_no_wrap(tmp_path, qwen, reference):
     ],
 )
 def test_layout_errors_name_the_key_and_the_fix(sizes, world, message):
+    """The recipe's own check_config, on debug_moe.json's 8-expert model, before any process group."""
+    cfg = load_config(MOE)
+    cfg.parallelism = ParallelismConfig(**sizes)
+    model = build_meta_model(load_model_config(cfg.model), cfg.model)
     with pytest.raises(ConfigError, match=re.escape(message)):
-        resolve_moe_sizes(ParallelismConfig(**sizes), world, num_experts=8)
+        moe_script().check_config(cfg, world, model)
 
 
 def test_a_dense_model_is_refused():
+    cfg = load_config(MOE)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY, intermediate_size=128))
     with pytest.raises(ConfigError, match="is a LlamaForCausalLM, not a mixture-of-experts model"):
-        check_moe(model, "llama")
+        moe_script().check_config(cfg, 1, model)
+
+
+def moe_script():
+    """scripts/finetune_moe_ep_fsdp.py as a module, for its check_config."""
+    import importlib.util
+
+    path = os.path.join(REPO, "scripts", "finetune_moe_ep_fsdp.py")
+    spec = importlib.util.spec_from_file_location("finetune_moe_ep_fsdp", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_bad_input_is_one_line_on_every_rank_before_anything_is_written(tmp_path):

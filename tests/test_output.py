@@ -7,9 +7,9 @@ import sys
 import pytest
 
 from common.config import ConfigError, ModelConfig
-from common.config_sources import load_config
-from common.metrics import event_line
 from common.model import load_model_config
+from common.ops.config_sources import load_config
+from common.ops.metrics import event_line
 from launch import REPO, TINY, read_metrics, run, steps
 
 

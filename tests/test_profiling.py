@@ -8,9 +8,9 @@ from collections import Counter
 import pytest
 import torch
 
-import common.profiling
+import common.ops.profiling
 from common.config import Config
-from common.profiling import StepDiagnostics, prepare_diagnostics
+from common.ops.profiling import StepDiagnostics, prepare_diagnostics
 from launch import event, pretrain, steps
 
 STEP = ["train.steps=3", "train.micro_batch_size=4", "checkpoint.export=false"]
@@ -67,7 +67,7 @@ def test_memory_snapshot_is_dumped_after_the_profiled_steps_and_on_out_of_memory
 def test_on_cuda_the_flight_recorder_dumps_under_the_run_directory(tmp_path, monkeypatch, capsys):
     for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(common.profiling, "resolve_device", lambda preference: torch.device("cuda", 0))
+    monkeypatch.setattr(common.ops.profiling, "resolve_device", lambda preference: torch.device("cuda", 0))
     cfg = Config()
     cfg.checkpoint.dir = str(tmp_path)
     prepare_diagnostics(cfg)

@@ -7,7 +7,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3MoeConfig
 
 from common.config import ConfigError
-from common.sft import arithmetic_examples, build_rows, tokenize_example
+from common.data.sft import arithmetic_examples, build_rows, tokenize_example
 
 TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% if m['role'] == 'assistant' %}<eos>"

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from common.config import ConfigError, FsdpConfig
-from common.config_sources import load_config
+from common.ops.config_sources import load_config
 from launch import REPO, env, event, losses, pretrain, read_metrics, run
 
 DEBUG_TPU = os.path.join(REPO, "configs", "debug_tpu.json")
@@ -182,7 +182,7 @@ def test_export_loads_in_plain_transformers_with_the_trained_loss(straight):
     model, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     cfg = load_config(DEBUG_TPU)
-    from common.data import build_batches
+    from common.data.batches import build_batches
 
     cfg.data.tokenizer = export
     _, data = build_batches(cfg.data, 0, 8, 4, 0, 1, is_main=True)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from common.config import Config, FsdpConfig, resolve_mixed_precision
 from common.mesh import gather
+from common.ops.profiling import StepDiagnostics
 
 GIB = 2**30
 
@@ -183,6 +184,62 @@ class CommCounter:
             dist.all_gather_single, dist.reduce_scatter_single = originals
 
 
+class StepLog:
+    """A context manager around the training loop. After each step: the step's line in the terminal,
+    metrics.jsonl and TensorBoard (every metrics.log_every steps, the first and the last) with tokens/s,
+    MFU, ETA, peak memory and (metrics.comm_stats) collective counts; and the profiler's and memory
+    snapshot's steps (common/ops/profiling.py)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        logger: MetricsLogger,
+        start_step: int,
+        device: torch.device,
+        flops_per_token: float | None = None,
+        devices: int | None = None,
+    ):
+        """`flops_per_token`: for MFU (None: no MFU); `devices`: what tokens/s per device divides by
+        (default: the world size)."""
+        self.logger, self.device = logger, device
+        self.log_every, self.last_step, self.first_step = (
+            cfg.metrics.log_every,
+            cfg.train.steps,
+            start_step + 1,
+        )
+        peak_flops = cfg.metrics.peak_flops or device_peak_flops(device)
+        devices = devices or (dist.get_world_size() if dist.is_initialized() else 1)
+        self.timer = StepTimer(cfg.train.steps, devices, flops_per_token, peak_flops)
+        self.comm = CommCounter() if cfg.metrics.comm_stats else None
+        self.diagnostics = StepDiagnostics(cfg, device, start_step + 1)
+        self._around_loop = contextlib.ExitStack()
+        reset_peak_memory(device)  # training's peak, not loading's (tokenizing the corpus, say)
+
+    def __enter__(self) -> StepLog:
+        if self.comm is not None:
+            self._around_loop.enter_context(self.comm.patch())
+        self._around_loop.enter_context(self.diagnostics)
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        self._around_loop.__exit__(exc_type, exc, traceback)
+
+    def log(self, step: int, stats: dict, tokens: int | None = None) -> None:
+        """`stats`: the step's loss and other numbers; `tokens`: what it processed, for tokens/s (default:
+        stats["tokens"])."""
+        for event in self.diagnostics.after(step):
+            self.logger.log(event)
+        self.timer.add(stats["tokens"] if tokens is None else tokens)
+        if step % self.log_every == 0 or step in (self.first_step, self.last_step):
+            record = {"step": step, **stats, **self.timer.record(step - self.first_step + 1)}
+            record["peak_mem_gib"] = peak_memory_bytes(self.device) / GIB
+            if self.comm is not None:
+                record.update(self.comm.reset())
+            self.logger.log(record)
+        if step < self.last_step:
+            self.diagnostics.before(step + 1)
+
+
 def sharded_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Bytes this rank holds for parameters and optimizer state (gradients, if any, match parameters)."""
 
@@ -205,7 +262,9 @@ def final_record(model: torch.nn.Module, optimizer: torch.optim.Optimizer, devic
     }
 
 
-def model_ready(model: torch.nn.Module, device: torch.device, fsdp: FsdpConfig, mesh, **details) -> dict:
+def model_ready_record(
+    model: torch.nn.Module, device: torch.device, fsdp: FsdpConfig, mesh, **details
+) -> dict:
     return {
         "event": "model_ready",
         "params": sum(p.numel() for p in model.parameters()),

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from common.config import ConfigError, DataConfig, TrainConfig
-from common.embedded import (
+from common.data.embedded import (
     EMBEDDED_CORPUS,
     builds_caches,
     embedded_documents,
@@ -150,7 +150,7 @@ def prepare_local_data(cfg: DataConfig, is_main: bool, build=None, tag: str = ""
 class Batch:
     input_ids: torch.Tensor  # [micro_batch, seq_len]
     labels: torch.Tensor  # [micro_batch, seq_len], -100 where no loss is taken
-    sample_ids: list[int]  # global sample positions, for tests and resumption
+    sample_indices: list[int]  # the global samples this batch holds
     position_ids: torch.Tensor | None = None  # restart at 0 per packed example (SFT) or document
     token_mask: torch.Tensor | None = None  # SFT: True for real tokens, False for padding
 

@@ -3,22 +3,14 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import difflib
 import json
 import os
-import sys
-from typing import Any
+import types
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from common.config import (
-    Config,
-    ConfigError,
-    FsdpConfig,
-    class_names,
-    did_you_mean,
-    mixed_precision_dtypes,
-    validate,
-)
+from common.config import Config, ConfigError, FsdpConfig, class_names, mixed_precision_dtypes, validate
 
 # FSDP1 options with no FSDP2 equivalent: an error that names the replacement, never silently ignored.
 FSDP1_ONLY_KEYS = {
@@ -43,6 +35,61 @@ LAUNCH_ENV = "the accelerate launch environment"
 PARALLELISM_KEYS = "dp_replicate_size dp_shard_size tp_size cp_size sp_size cp_comm_strategy".split()
 PARALLELISM_IGNORED = {"cp_backend": "torch", "sp_backend": "deepspeed"}
 STATE_DICT_TYPES = {"FULL": "FULL_STATE_DICT", "SHARDED": "SHARDED_STATE_DICT"}  # Accelerate's short names
+
+
+def did_you_mean(key: str, choices, list_valid: bool = True) -> str:
+    close = difflib.get_close_matches(key, list(choices), n=1)
+    if close:
+        return f" (did you mean '{close[0]}'?)"
+    return f" (valid: {', '.join(sorted(choices))})" if list_valid else ""
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """A bool fits only bool (a size given as `true` is a typo); an int fits a float."""
+    if get_origin(hint) is Literal:
+        return value in get_args(hint)
+    if get_origin(hint) in (Union, types.UnionType):
+        return any(_fits(value, arg) for arg in get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint in (int, float) and isinstance(value, bool):
+        return False
+    return isinstance(value, (int, float) if hint is float else get_origin(hint) or hint)
+
+
+TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+TYPE_NAMES.update({list: "a list", dict: "an object", type(None): "null"})
+
+
+def _describe(hint: Any) -> str:
+    if get_origin(hint) is Literal:
+        return "one of " + ", ".join(map(str, get_args(hint)))
+    if get_origin(hint) in (Union, types.UnionType):
+        return " or ".join(_describe(arg) for arg in get_args(hint))
+    return TYPE_NAMES.get(get_origin(hint) or hint, str(hint))
+
+
+AT_LEAST = {"train.global_batch_size": 1, "train.micro_batch_size": 1, "data.seq_len": 2}
+AT_LEAST |= dict.fromkeys(
+    ("train.steps", "train.warmup_steps", "train.stop_after", "train.loss_chunk_tokens"), 0
+)
+AT_LEAST |= {"checkpoint.interval": 0, "checkpoint.keep_latest": 1, "metrics.log_every": 1}
+ABOVE_ZERO = ("train.lr", "parallelism.timeout_minutes")
+
+
+def check_types(cfg: Config) -> None:
+    """Every value against its field's type hint, and the bounds below."""
+    for section in dataclasses.fields(cfg):
+        values = getattr(cfg, section.name)
+        for key, hint in get_type_hints(type(values)).items():
+            path, value = f"{section.name}.{key}", getattr(values, key)
+            if not _fits(value, hint):
+                close = did_you_mean(str(value), get_args(hint), False) if get_origin(hint) is Literal else ""
+                raise ConfigError(f"{path} is {value!r}; use {_describe(hint)}{close}")
+            if path in AT_LEAST and value < AT_LEAST[path]:
+                raise ConfigError(f"{path} is {value}; it must be >= {AT_LEAST[path]}")
+            if path in ABOVE_ZERO and value <= 0:
+                raise ConfigError(f"{path} is {value}; it must be > 0")
 
 
 def state_dict_type(value: Any) -> Any:
@@ -202,43 +249,6 @@ def _canonical(key: str, value: Any) -> Any:
     return value
 
 
-def parse_args(argv: list[str] | None = None, description: str = "", xla: bool = False) -> Config:
-    """`xla`: whether the calling script is the PyTorch/XLA one, which fsdp.xla must match."""
-    parser = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--config", required=True, help="JSON run config (see configs/)")
-    parser.add_argument("--fsdp-config", help="a Transformers fsdp_config JSON; fills the fsdp section")
-    parser.add_argument("--accelerate-config", help="an Accelerate YAML with an fsdp_config block")
-    parser.add_argument("overrides", nargs="*", help="key.path=value, value parsed as JSON")
-    args = parser.parse_args(argv)
-    changes: list[str] = []
-    cfg = load_config(
-        args.config, args.overrides, args.fsdp_config, args.accelerate_config, os.environ, changes
-    )
-    if changes and os.environ.get("RANK", "0") == "0":
-        print(
-            f"config: {len(changes)} value(s) changed by a more specific source: {'; '.join(changes)}",
-            flush=True,
-        )
-    if cfg.fsdp.xla and not xla:
-        raise ConfigError(
-            "fsdp.xla is true, which is the PyTorch/XLA recipe: run scripts/tpu_xla_fsdp.py, or set "
-            "fsdp.xla=false"
-        )
-    if not cfg.fsdp.xla and (cfg.fsdp.xla_fsdp_settings or cfg.fsdp.xla_fsdp_grad_ckpt):
-        raise ConfigError(
-            "fsdp.xla_fsdp_settings / xla_fsdp_grad_ckpt are set but fsdp.xla is false; they apply "
-            "only to scripts/tpu_xla_fsdp.py with fsdp.xla=true"
-        )
-    if xla and not cfg.fsdp.xla:
-        raise ConfigError(
-            "fsdp.xla is false but scripts/tpu_xla_fsdp.py is the PyTorch/XLA recipe; set "
-            "fsdp.xla=true (on GPUs, use scripts/pretrain_fsdp.py)"
-        )
-    return cfg
-
-
 def _read_json(path: str, what: str) -> dict:
     try:
         with open(path) as f:
@@ -300,36 +310,6 @@ def load_config(
     for item in overrides:
         apply_override(cfg, item, changes)
     cfg.fsdp.state_dict_type = state_dict_type(cfg.fsdp.state_dict_type)
+    check_types(cfg)
     validate(cfg)
     return cfg
-
-
-def run_cli(main, argv: list[str] | None = None) -> None:
-    """Run a script's main(argv): bad input is one line and exit 2 on every rank, with no traceback. Leave
-    through common/mesh.end_process, which keeps gloo from aborting the exit."""
-    from common.mesh import end_process  # here: the rest of this module imports no torch
-
-    exit_code = 0
-    try:
-        main(argv)
-    except ConfigError as error:
-        rank = os.environ.get("RANK")
-        prefix = f"[rank{rank}] " if rank is not None else ""
-        _print_line(f"{prefix}config error: {error}")
-        exit_code = 2
-    except SystemExit as stop:  # a stop that every rank takes together, such as a non-finite loss
-        exit_code = stop.code or 0
-        if isinstance(exit_code, str):
-            _print_line(exit_code)
-            exit_code = 1
-    end_process(exit_code)
-
-
-def _print_line(text: str) -> None:
-    """One line to stderr in one write(2): under PYTHONUNBUFFERED, print() writes the text and its newline in
-    two, so the ranks' lines on a shared pipe could interleave as 'rank0 ...rank1 ...' + ''."""
-    sys.stderr.flush()
-    try:
-        os.write(sys.stderr.fileno(), f"{text}\n".encode())
-    except (AttributeError, OSError, ValueError):  # a stream with no descriptor (pytest's capture)
-        sys.stderr.write(f"{text}\n")

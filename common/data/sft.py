@@ -10,15 +10,17 @@ import numpy as np
 import torch
 
 from common.config import ConfigError, DataConfig, EvalConfig
-from common.data import (
+from common.data.batches import (
     Batch,
     LocalBatches,
     file_fingerprint,
     load_local,
+    load_tokenizer,
     local_files,
     pad_token_id,
     prepare_local_data,
 )
+from common.data.embedded import ensure_embedded_tokenizer
 
 ARITHMETIC = "arithmetic"  # the built-in task: "17+25=" -> "42"
 
@@ -157,17 +159,13 @@ class SftBatches(LocalBatches):
 
 
 def build_sft_batches(
-    cfg: DataConfig,
-    tokenizer,
-    seed: int,
-    global_batch: int,
-    micro_batch: int,
-    dp_rank: int,
-    dp_size: int,
-    is_main: bool,
-) -> SftBatches:
+    cfg: DataConfig, seed: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, is_main: bool
+) -> tuple:
+    """(tokenizer, this rank's batches), as build_batches returns them for pretraining."""
+    ensure_embedded_tokenizer(cfg, is_main)
+    tokenizer = load_tokenizer(cfg)
     path = _prepare_sft(cfg, tokenizer, cfg.dataset, cfg.split, is_main)
-    return SftBatches(path, 0, seed, global_batch, micro_batch, dp_rank, dp_size)
+    return tokenizer, SftBatches(path, 0, seed, global_batch, micro_batch, dp_rank, dp_size)
 
 
 def eval_batches(

@@ -1,0 +1,89 @@
+"""The command line every recipe shares: parse it into a Config, run main(), turn bad input into one line
+and exit code 2 on every rank, and leave without gloo aborting the exit."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+from common.config import Config, ConfigError
+from common.ops.config_sources import load_config
+
+
+def parse_args(argv: list[str] | None = None, description: str = "") -> Config:
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", required=True, help="JSON run config (see configs/)")
+    parser.add_argument("--fsdp-config", help="a Transformers fsdp_config JSON; fills the fsdp section")
+    parser.add_argument("--accelerate-config", help="an Accelerate YAML with an fsdp_config block")
+    parser.add_argument("overrides", nargs="*", help="key.path=value, value parsed as JSON")
+    args = parser.parse_args(argv)
+    changes: list[str] = []
+    cfg = load_config(
+        args.config, args.overrides, args.fsdp_config, args.accelerate_config, os.environ, changes
+    )
+    if changes and os.environ.get("RANK", "0") == "0":
+        print(
+            f"config: {len(changes)} value(s) changed by a more specific source: {'; '.join(changes)}",
+            flush=True,
+        )
+    return cfg
+
+
+def run_cli(main, argv: list[str] | None = None) -> None:
+    """Run a script's main(argv): bad input is one line and exit 2 on every rank, with no traceback; a stop
+    that every rank takes together (a non-finite loss, say) is its one line and exit 1."""
+    import torch.distributed as dist  # here: --help and config errors need no torch before main() runs
+
+    # The process group and threads of a program that calls main() itself (a notebook, say) are its own.
+    had_group, had_threads = dist.is_initialized(), len(collective_threads())
+    exit_code = 0
+    try:
+        main(argv)
+    except ConfigError as error:
+        rank = os.environ.get("RANK")
+        prefix = f"[rank{rank}] " if rank is not None else ""
+        print_line(f"{prefix}config error: {error}")
+        exit_code = 2
+    except SystemExit as stop:
+        exit_code = stop.code or 0
+        if isinstance(exit_code, str):
+            print_line(exit_code)
+            exit_code = 1
+    if not had_group and dist.is_initialized():  # main() left early: a config error, a NaN stop
+        dist.destroy_process_group()
+    end_process(exit_code, had_threads)
+
+
+def print_line(text: str) -> None:
+    """One line to stderr in one write(2): under PYTHONUNBUFFERED, print() writes the text and its newline in
+    two, so the ranks' lines on a shared pipe could interleave as 'rank0 ...rank1 ...' + ''."""
+    sys.stderr.flush()
+    try:
+        os.write(sys.stderr.fileno(), f"{text}\n".encode())
+    except (AttributeError, OSError, ValueError):  # a stream with no descriptor (a notebook's)
+        sys.stderr.write(f"{text}\n")
+
+
+def collective_threads() -> list[str]:
+    """gloo and NCCL threads, which live exactly as long as their process groups."""
+    names = []
+    for task in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as f:
+            names.append(f.read().strip())
+    return [n for n in names if n.startswith(("pt_gloo", "gloo_", "pt_nccl"))]
+
+
+def end_process(exit_code: int, threads_before: int = 0) -> None:
+    """Leave the process. DTensor's caches keep every mesh's groups until interpreter finalization, where a
+    gloo worker still freeing tensors aborts ("terminate called without an active exception",
+    pytorch/pytorch#179291), so while threads this run started live, skip that teardown."""
+    if len(collective_threads()) > threads_before:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
+    if exit_code:
+        sys.exit(exit_code)

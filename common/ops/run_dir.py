@@ -1,0 +1,92 @@
+"""The run directory, which every node must share: which checkpoint a run resumes from (rank 0 decides),
+branches started by resuming an older step, and the check that every rank sees what rank 0 writes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+
+from common.checkpoint import STEP_DIR, TRAIN_STATE, checkpoints_dir, saved_steps
+from common.config import ConfigError
+
+
+def find_resume_checkpoint(run_dir: str, resume: str) -> str | None:
+    """`auto`: this run's newest complete checkpoint, if any; `none`: None; else the given path. Rank 0
+    decides and every rank takes its choice: ranks listing the directory themselves could disagree (a
+    network filesystem's stale view on one node) and load different steps."""
+    choice: list = [None, None]  # the path, or the error that stops every rank
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            choice[0] = _resume_checkpoint(run_dir, resume)
+        except ConfigError as error:
+            choice[1] = str(error)
+    if dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    if choice[1]:
+        raise ConfigError(choice[1])
+    return choice[0]
+
+
+def _resume_checkpoint(run_dir: str, resume: str) -> str | None:
+    if resume == "none":
+        return None
+    if resume != "auto":
+        if not os.path.exists(os.path.join(resume, TRAIN_STATE)):
+            raise ConfigError(
+                f"checkpoint.resume {resume!r} is not a complete checkpoint directory "
+                f"(no {TRAIN_STATE}); use auto, none, or a checkpoints/step-N path"
+            )
+        _start_branch(run_dir, resume)
+        return resume
+    root = checkpoints_dir(run_dir)
+    complete = [s for s in saved_steps(root) if os.path.exists(os.path.join(root, f"step-{s}", TRAIN_STATE))]
+    return os.path.join(root, f"step-{complete[-1]}") if complete else None
+
+
+def _start_branch(run_dir: str, resume: str) -> None:
+    """Resuming from an older step of this run starts a new branch. Its newer checkpoints move aside to
+    checkpoints/abandoned-after-step-N[.K]: kept, but invisible to keep_latest (which would prune the new
+    branch's checkpoints as the older ones) and to resume=auto (which would pick the abandoned branch)."""
+    root = checkpoints_dir(run_dir)
+    match = STEP_DIR.match(os.path.basename(os.path.normpath(resume)))
+    parent = os.path.dirname(os.path.normpath(resume))
+    if not match or not os.path.isdir(root) or not os.path.samefile(parent, root):
+        return  # another run's checkpoint
+    newer = [f"step-{s}" for s in saved_steps(root) if s > int(match[1])]
+    if not newer:
+        return
+    aside = base = os.path.join(root, f"abandoned-after-step-{match[1]}")
+    branches = 1
+    while os.path.exists(aside):  # the same step resumed again, after more training
+        branches += 1
+        aside = f"{base}.{branches}"
+    os.makedirs(aside)
+    for name in newer:
+        os.replace(os.path.join(root, name), os.path.join(aside, name))
+    print(
+        f"checkpoint: resuming from step-{match[1]} starts a new branch; moved {', '.join(newer)} to {aside}"
+    )
+
+
+def check_shared_storage(run_dir: str) -> None:
+    """Every rank must see what rank 0 writes to the run directory, or checkpoints cannot be resumed."""
+    token = [os.urandom(8).hex() if dist.get_rank() == 0 else None]
+    path = os.path.join(run_dir, ".shared-storage-check")
+    if dist.get_rank() == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(token[0])
+    dist.broadcast_object_list(token, src=0)
+    seen = False
+    with contextlib.suppress(OSError), open(path) as f:
+        seen = f.read() == token[0]
+    unseen = torch.tensor(0.0 if seen else 1.0)  # a CPU tensor: gloo carries it, also beside NCCL
+    dist.all_reduce(unseen)
+    if unseen.item():
+        raise ConfigError(
+            f"checkpoint.dir {run_dir!r} is not shared: {int(unseen.item())} rank(s) cannot see "
+            f"what rank 0 writes there; put it on storage every node mounts"
+        )

@@ -1,0 +1,87 @@
+"""When a run stops before its last step: a non-finite loss or gradient norm (an error, nothing saved),
+preemption (SIGUSR1 or the preemption file), or train.stop_after (both checkpointed by the loop)."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+
+from common.checkpoint import CheckpointNotWritten
+from common.config import Config
+from common.optim import NonFiniteGradients
+
+
+class PreemptionWatch:
+    """Asks for a checkpoint-and-exit on SIGUSR1, or once the file FSDP2_RECIPES_PREEMPT_FILE exists (Slurm
+    signals the batch shell, which creates it: torchrun's agent dies on SIGUSR1 instead of forwarding it)."""
+
+    def __init__(self):
+        self.signalled = False
+        self.file = os.environ.get("FSDP2_RECIPES_PREEMPT_FILE")
+        signal.signal(signal.SIGUSR1, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signalled = True
+
+    def requested_here(self) -> bool:
+        return self.signalled or bool(self.file and os.path.exists(self.file))
+
+
+def on_any_rank(flags: list[bool], device: torch.device) -> list[bool]:
+    """Whether any rank raised each flag, in one all-reduce: every rank then takes the same decision."""
+    if not dist.is_initialized():  # one PyTorch/XLA host: nobody to agree with
+        return flags
+    raised = torch.tensor([float(flag) for flag in flags], device=device)
+    dist.all_reduce(raised, op=dist.ReduceOp.MAX)
+    return [bool(value) for value in raised.tolist()]
+
+
+class StopRules:
+    """A context manager around the training loop. after_step() says whether to stop after this step, the
+    same on every rank; a stop for a bad step, or a checkpoint that could not be written, leaves the loop
+    as one line (SystemExit) that names the step."""
+
+    def __init__(self, cfg: Config, start_step: int, device: torch.device):
+        self.stop_after, self.last_step = cfg.train.stop_after, cfg.train.steps
+        self.start_step, self.device = start_step, device
+        self.preemption = PreemptionWatch()
+        self.step = start_step + 1  # the step being trained
+
+    def after_step(self, step: int, loss: float) -> str | None:
+        """None to go on, or why the run stops after this step, short of the last one: "preempted" or
+        "train.stop_after"."""
+        # One verdict for all ranks: a loss poisoned on one rank alone (a bad device, say) must stop the
+        # others too, not leave them waiting in the next collective until the timeout.
+        bad_loss, preempted = on_any_rank(
+            [not math.isfinite(loss), self.preemption.requested_here()], self.device
+        )
+        if bad_loss:
+            shown = loss if not math.isfinite(loss) else "not finite on another rank"
+            raise SystemExit(
+                f"loss is {shown} at step {step}; stopping without saving, the last checkpoint is "
+                f"intact (try a lower train.lr or train.max_grad_norm)"
+            )
+        self.step = step + 1
+        if step >= self.last_step:
+            return None
+        if preempted:
+            return "preempted"
+        if self.stop_after and step - self.start_step >= self.stop_after:
+            return "train.stop_after"
+        return None
+
+    def __enter__(self) -> StopRules:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if isinstance(exc, NonFiniteGradients):
+            raise SystemExit(
+                f"gradient norm is {exc.norm} at step {self.step}; stopping before the optimizer step, "
+                f"without saving: the last checkpoint is intact (try a lower train.lr)"
+            ) from None
+        if isinstance(exc, CheckpointNotWritten):
+            raise SystemExit(str(exc)) from None

@@ -1,0 +1,91 @@
+"""What you take along when you copy a script: the lines of common/ it imports, directly or through other
+modules, by part. The core (common/*.py) is the FSDP lesson; operations (common/ops/) and data
+(common/data/) can be skipped by a reader and replaced by a copier.
+
+    python tests/copy_along.py            # the tables docs/layout.md holds (tests/test_layout.py checks them)
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = ["pretrain_fsdp", "finetune_moe_ep_fsdp", "eval_cp", "tpu_xla_fsdp", "estimate_memory"]
+PARTS = {"ops": "operations", "data": "data"}  # common/<folder>/; everything else in common/ is the core
+
+
+def module_path(name: str) -> str | None:
+    """The file of `common...` module `name`, relative to the repository, if there is one."""
+    base = name.replace(".", "/")
+    for candidate in (f"{base}.py", f"{base}/__init__.py"):
+        if os.path.exists(os.path.join(REPO, candidate)):
+            return candidate
+    return None
+
+
+def imports(path: str) -> set[str]:
+    """The files of common/ that `path` imports itself (`from common import cp` counts common/cp.py)."""
+    with open(os.path.join(REPO, path)) as f:
+        tree = ast.parse(f.read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    found = {module_path(name) for name in names if name == "common" or name.startswith("common.")}
+    return {p for p in found if p}
+
+
+def closure(path: str) -> set[str]:
+    seen, todo = set(), [path]
+    while todo:
+        for found in imports(todo.pop()) - seen:
+            seen.add(found)
+            todo.append(found)
+    return seen
+
+
+def part(path: str) -> str:
+    folders = path.split("/")[1:-1]
+    return PARTS.get(folders[0], folders[0]) if folders else "core"
+
+
+def lines(path: str) -> int:
+    with open(os.path.join(REPO, path)) as f:
+        return len(f.read().splitlines())
+
+
+def by_part(script: str) -> dict[str, int]:
+    counts = {"script": lines(f"scripts/{script}.py"), "core": 0, "operations": 0, "data": 0}
+    for path in closure(f"scripts/{script}.py"):
+        counts[part(path)] += lines(path)
+    return counts
+
+
+def common_modules() -> list[str]:
+    out = []
+    for root, _, files in os.walk(os.path.join(REPO, "common")):
+        out += [os.path.relpath(os.path.join(root, f), REPO) for f in files if f.endswith(".py")]
+    return sorted(out, key=lambda p: (part(p) != "core", part(p), p))
+
+
+def tables() -> str:
+    """Markdown: lines per script and part; then every module of common/, its part, lines and users."""
+    rows = ["| script | its own lines | core | operations | data |", "|---|---|---|---|---|"]
+    users: dict[str, list[str]] = {}
+    for script in SCRIPTS:
+        counts = by_part(script)
+        rows.append(f"| `{script}.py` | {' | '.join(str(counts[k]) for k in counts)} |")
+        for path in closure(f"scripts/{script}.py"):
+            users.setdefault(path, []).append(script)
+    rows += ["", "| module | part | lines | imported by |", "|---|---|---|---|"]
+    for path in common_modules():
+        who = ", ".join(users.get(path, [])) or "tests only"
+        rows.append(f"| `{path}` | {part(path)} | {lines(path)} | {who} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(tables())

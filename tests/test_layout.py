@@ -1,0 +1,86 @@
+"""The layout keeps the lesson apart: a small core that imports no operations or data, no test hooks in
+product code, nothing done on import, and docs/layout.md's copy-along table true to the code."""
+
+import ast
+import os
+import re
+import subprocess
+import sys
+
+from copy_along import REPO, SCRIPTS, by_part, common_modules, imports, part, tables
+
+CORE_LIMIT = 1600  # lines of the core that copying pretrain_fsdp.py takes along
+
+
+def test_docs_layout_holds_the_copy_along_tables_of_this_code():
+    with open(os.path.join(REPO, "docs", "layout.md")) as f:
+        text = f.read()
+    written = re.search(r"<!-- copy-along -->\n(.*?)\n<!-- /copy-along -->", text, re.S)
+    assert written and written[1] == tables(), (
+        "run python tests/copy_along.py and paste it into docs/layout.md"
+    )
+
+
+def test_copying_pretrain_takes_a_small_core_and_the_core_imports_nothing_else():
+    assert by_part("pretrain_fsdp")["core"] <= CORE_LIMIT
+    for path in common_modules():
+        if part(path) == "core":
+            assert {part(p) for p in imports(path)} <= {"core"}, path
+
+
+def test_no_test_hooks_and_no_script_names_in_product_code():
+    hooks = re.compile(r"FSDP2_RECIPES_FAULT|inject_fault|arm_gradient_fault|sample_ids")
+    names = re.compile("|".join(SCRIPTS))
+    for path in common_modules() + [f"scripts/{s}.py" for s in SCRIPTS]:
+        with open(os.path.join(REPO, path)) as f:
+            text = f.read()
+        assert not hooks.search(text), path
+        if path.startswith("common/"):
+            assert not names.search(text), (path, names.search(text)[0])
+
+
+IMPORT_ALL = """
+import importlib, sys
+sys.path.insert(0, {repo!r})
+from transformers import AttentionInterface
+from transformers.utils import logging
+for module in {modules!r}:
+    importlib.import_module(module)
+ours = sorted(set(AttentionInterface._global_mapping) & {{"cp_allgather", "cp_torch"}})
+print(logging.is_progress_bar_enabled(), ours)
+"""
+
+
+def test_importing_common_changes_nothing():
+    """No attention function registered, no progress bar turned off: each is a call a script makes."""
+    modules = [path.removesuffix(".py").replace("/", ".") for path in common_modules()]
+    code = IMPORT_ALL.format(repo=REPO, modules=modules)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.split("\n")[-2] == "True []"
+
+
+def test_no_module_level_mutable_state_in_common():
+    """Module-level names bound to a list, dict or set that code changes later: none (constants are tuples,
+    frozen sets, or dicts nothing writes to, in UPPER_CASE)."""
+    for path in common_modules():
+        with open(os.path.join(REPO, path)) as f:
+            tree = ast.parse(f.read())
+        for node in tree.body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    name = getattr(target, "id", "")
+                    assert name.isupper() or name.startswith("__"), (path, name)
+
+
+def test_each_main_reads_in_one_sitting_and_each_module_stays_small():
+    for script in SCRIPTS:
+        with open(os.path.join(REPO, "scripts", f"{script}.py")) as f:
+            tree = ast.parse(f.read())
+        main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+        assert main.end_lineno - main.lineno + 1 <= 80, script
+    for path in common_modules():
+        with open(os.path.join(REPO, path)) as f:
+            assert len(f.read().splitlines()) <= 350, path

@@ -1,0 +1,94 @@
+"""Test-only: crash-recovery faults, injected into a training recipe from the outside.
+
+    FSDP2_RECIPES_FAULT=kill@13:1 torchrun --nproc_per_node=2 tests/with_faults.py scripts/pretrain_fsdp.py
+
+FSDP2_RECIPES_FAULT is `<point>@<step>[:<rank>]`: kill (after the step's update), save (inside its checkpoint
+write, before the rename: sync or background), hang, nan (poisons the loss), or grad (makes the step's
+gradients NaN while its loss stays finite). Each fires once per run directory, so a job that restarts gets
+past it. The patches wrap the loop helper's after_step, gradient clipping and DCP's save calls before the
+script runs. Never imported by scripts/ or common/.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import runpy
+import signal
+import sys
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import optim  # noqa: E402
+from common.ops.stopping import StopRules  # noqa: E402
+
+SPEC = os.environ.get("FSDP2_RECIPES_FAULT", "")
+FAULT = re.fullmatch(r"(kill|save|hang|nan|grad)@(\d+)(?::(\d+))?", SPEC)
+RUN = {"dir": None, "step": None}  # the run directory and the step being trained, from the loop helper
+IN_WRITE = re.compile(r"step-(\d+)\.tmp$")
+
+
+def fires(kind: str, step: int, run_dir: str) -> bool:
+    """Whether the fault is `kind` at `step` on this rank, and has not fired in this run directory yet."""
+    if not FAULT or FAULT[1] != kind or int(FAULT[2]) != step:
+        return False
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if FAULT[3] is not None and int(FAULT[3]) != rank:
+        return False
+    marker = os.path.join(run_dir, f".fault-{SPEC.replace(':', '-')}-rank{rank}")
+    if os.path.exists(marker):
+        return False
+    open(marker, "w").close()
+    return True
+
+
+def stop_rules_init(self, cfg, start_step, device, _original=StopRules.__init__) -> None:
+    _original(self, cfg, start_step, device)
+    RUN.update(dir=cfg.checkpoint.dir, step=start_step + 1)
+
+
+def after_step(self, step: int, loss: float, _original=StopRules.after_step):
+    if fires("hang", step, RUN["dir"]):
+        signal.pause()
+    if fires("kill", step, RUN["dir"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fires("nan", step, RUN["dir"]):
+        loss = math.nan
+    RUN["step"] = step + 1
+    return _original(self, step, loss)
+
+
+def clip_grad_norm_(parameters, max_norm: float, _original=optim.clip_grad_norm_) -> float:
+    parameters = list(parameters)
+    if RUN["step"] is not None and fires("grad", RUN["step"], RUN["dir"]):
+        for param in parameters:
+            if param.grad is not None:
+                param.grad.fill_(math.nan)
+    return _original(parameters, max_norm)
+
+
+def killed_inside_write(save):
+    """DCP's save or async_save, and then, for the write named in the fault, the kill: the write (or its
+    background thread) is done or under way, and the checkpoint not yet renamed into place."""
+
+    def wrapper(*args, **kwargs):
+        result = save(*args, **kwargs)
+        writer = kwargs.get("storage_writer")
+        match = IN_WRITE.search(str(getattr(writer, "path", "")))
+        if match and fires("save", int(match[1]), os.path.dirname(os.path.dirname(str(writer.path)))):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    return wrapper
+
+
+if __name__ == "__main__":
+    StopRules.__init__, StopRules.after_step = stop_rules_init, after_step
+    optim.clip_grad_norm_ = clip_grad_norm_  # before the script imports it
+    dcp.save, dcp.async_save = killed_inside_write(dcp.save), killed_inside_write(dcp.async_save)
+    sys.argv = sys.argv[1:]  # the script to run, then its own arguments
+    runpy.run_path(sys.argv[0], run_name="__main__")

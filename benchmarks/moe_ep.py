@@ -33,12 +33,19 @@ MODEL = [
     "train.micro_batch_size=4",
     "metrics.log_every=1",
     "data.eval_dataset=null",
+    "eval.interval=0",
     "metrics.comm_stats=true",
 ]
 MOE = os.path.join(REPO, "configs", "debug_moe.json")
 MIB = 2**20
 if tiny():
-    MODEL = ["train.steps=4", "metrics.log_every=1", "data.eval_dataset=null", "metrics.comm_stats=true"]
+    MODEL = [
+        "train.steps=4",
+        "metrics.log_every=1",
+        "data.eval_dataset=null",
+        "eval.interval=0",
+        "metrics.comm_stats=true",
+    ]
 
 
 def main() -> None:

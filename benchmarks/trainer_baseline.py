@@ -221,9 +221,8 @@ def main() -> None:
 
     data_cfg = DataConfig(seq_len=a.seq_len, embedded_max_bytes=a.embedded_max_bytes)
     # One sample per "step" on one "rank": batches.micro_batches(k) is then exactly the recipe's sample k.
-    tokenizer, batches = build_batches(
-        data_cfg, a.seed, global_batch=1, micro_batch=1, dp_rank=0, dp_size=1, is_main=args.process_index == 0
-    )
+    one = TrainConfig(seed=a.seed, global_batch_size=1, micro_batch_size=1)
+    tokenizer, batches = build_batches(data_cfg, one, dp_rank=0, dp_size=1, is_main=args.process_index == 0)
     if os.path.isfile(a.model_config):
         with open(a.model_config) as f:
             values = json.load(f)

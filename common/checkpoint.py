@@ -64,10 +64,12 @@ def tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer, key: str) -
     return state, optim["param_groups"]
 
 
-def train_state(step: int, samples: int, loss: float, scheduler, data) -> dict:
+def train_state(step: int, samples: int, loss: float, scheduler, data, **more) -> dict:
     """What a resume needs besides tensors, written as train_state.json. `samples` is the global data
-    position, the same on any world size; `data` is every rank's data state (a stream's position)."""
+    position, the same on any world size; `data` is every rank's data state (a stream's position); `more`:
+    the stop rules' state, whose best step keep_latest never prunes."""
     return {
+        **more,
         "step": step,
         "samples": samples,
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
@@ -146,14 +148,16 @@ def complete_save(
 
 def finish_checkpoint(final: str, train_state: dict, model_config, tokenizer, keep_latest: int) -> None:
     """One process: complete step-N.tmp (train_state.json, the model config and tokenizer, so evaluation
-    can load it), rename it to step-N, and drop the oldest beyond keep_latest."""
+    can load it), rename it to step-N, and drop the oldest beyond keep_latest but the best."""
     tmp, root = f"{final}.tmp", os.path.dirname(final)
     with open(os.path.join(tmp, TRAIN_STATE), "w") as f:
         json.dump(train_state, f)
     save_config(tmp, model_config, tokenizer)
     move_into_place(tmp, final)
+    best = train_state.get("best", {}).get("step")  # the Trainer keeps the best checkpoint too
     for old in saved_steps(root)[:-keep_latest]:
-        shutil.rmtree(os.path.join(root, f"step-{old}"))
+        if old != best:
+            shutil.rmtree(os.path.join(root, f"step-{old}"))
 
 
 def _os_error(errors: list[Exception], root: str) -> Exception | None:

@@ -23,10 +23,12 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # "embedded", local files (json/jsonl/parquet/txt), or a hub dataset name; SFT: JSONL of
-    # prompt/completion or chat-messages records, or the built-in "arithmetic" task
+    # "embedded", local files (json/jsonl/parquet/txt), or a hub dataset name. Records with prompt and
+    # completion, or chat messages, and the built-in "arithmetic" task train on the answers only (SFT).
     dataset: str | list = "embedded"
-    eval_dataset: str | list | None = None  # SFT held-out set, evaluated before and after training
+    # The held-out set for eval.interval and scripts/eval_cp.py, in the same forms; "embedded": the corpus's
+    # files after the training slice. None: eval_cp.py evaluates the first rows of data.dataset.
+    eval_dataset: str | list | None = None
     eval_split: str = "test"  # its split, for a hub dataset
     dataset_config: str | None = None
     split: str = "train"
@@ -113,6 +115,8 @@ class CheckpointConfig:
     resume: str = "auto"  # auto: the newest complete checkpoint in dir, if any | none | a step-N path
     export: bool = True  # write the final export to <dir>/export per fsdp.state_dict_type
     async_save: bool = False  # training waits only for a copy in host memory; DCP writes in the background
+    # Export the weights of the step with the lowest eval_loss, not the last step's; its checkpoint is kept
+    load_best_model_at_end: bool = False
 
 
 @dataclass
@@ -127,7 +131,14 @@ class MetricsConfig:
 
 @dataclass
 class EvalConfig:
-    max_sequences: int = 64  # sequences of data.seq_len + 1 tokens, from the start of the data
+    # Evaluate data.eval_dataset before the first step, every N optimizer steps and at the last (Trainer's
+    # eval_steps); 0: never during training
+    interval: int = 0
+    # Stop after this many evaluations in a row without an improvement of more than the threshold (the
+    # Trainer's EarlyStoppingCallback); 0: never
+    early_stopping_patience: int = 0
+    early_stopping_threshold: float = 0.0
+    max_sequences: int = 64  # sequences of data.seq_len (+ 1) tokens, from the start of the held-out set
     batch_size: int = 1  # sequences per data-parallel rank per forward
     load_balance: bool = True  # head-tail (zig-zag) sharding: every cp rank gets the same causal work
     loss_chunk_tokens: int = 1024  # lm_head + cross-entropy this many tokens at a time
@@ -236,3 +247,30 @@ def validate(cfg: Config) -> None:
         )
     if p.cp_size > 1 and p.sp_size > 1:
         raise ConfigError(f"parallelism.cp_size={p.cp_size} and sp_size={p.sp_size} are both > 1; pick one")
+    _check_evaluation(cfg)
+
+
+def _check_evaluation(cfg: Config) -> None:
+    """Evaluation during training, the best model and early stopping (the Trainer's rules)."""
+    e, c = cfg.eval, cfg.checkpoint
+    if e.interval and not cfg.data.eval_dataset:
+        raise ConfigError(
+            f"eval.interval is {e.interval} but data.eval_dataset is not set; name a held-out set (files, a "
+            f"hub dataset, 'arithmetic' or 'embedded'), or set eval.interval=0"
+        )
+    if e.early_stopping_patience and not e.interval:
+        raise ConfigError(
+            f"eval.early_stopping_patience is {e.early_stopping_patience} but eval.interval is 0, so "
+            f"nothing is evaluated; set eval.interval (e.g. 10), or eval.early_stopping_patience=0"
+        )
+    if c.load_best_model_at_end and not e.interval:
+        raise ConfigError(
+            "checkpoint.load_best_model_at_end is true but eval.interval is 0, so there is no best model; "
+            "set eval.interval (e.g. 10), or checkpoint.load_best_model_at_end=false"
+        )
+    if c.load_best_model_at_end and (not c.interval or e.interval % c.interval):
+        raise ConfigError(
+            f"checkpoint.load_best_model_at_end needs a checkpoint at every evaluation, but "
+            f"checkpoint.interval is {c.interval} and eval.interval is {e.interval}; set checkpoint.interval "
+            f"to a divisor of {e.interval} (e.g. {e.interval})"
+        )

@@ -3,12 +3,16 @@ positions of every sequence, and attention all-gathers K and V and masks by glob
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed._functional_collectives import all_gather_tensor, all_gather_tensor_autograd
+
+try:  # torch 2.13's names; torch 2.11 has only all_gather_tensor(_autograd), which 2.13 deprecates
+    from torch.distributed._functional_collectives import all_gather_single as all_gather
+    from torch.distributed._functional_collectives import all_gather_single_autograd as all_gather_autograd
+except ImportError:
+    from torch.distributed._functional_collectives import all_gather_tensor as all_gather
+    from torch.distributed._functional_collectives import all_gather_tensor_autograd as all_gather_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, PretrainedConfig
@@ -22,23 +26,37 @@ TORCH_ATTENTION = "cp_torch"
 QUERY_BLOCK = 1024
 
 
-@dataclass
 class CpState:
     """This rank's share of every sequence, from setup(). The model's attention reads it from the forward
-    keyword `cp` (Transformers passes extra keywords down to the attention function)."""
+    keyword `cp` (Transformers passes extra keywords down to the attention function). A plain class, not a
+    dataclass: FSDP's mixed precision casts the floating tensors inside a dataclass forward argument, and
+    the causal biases must stay as they are."""
 
-    size: int
-    group: dist.ProcessGroup
-    mesh: DeviceMesh  # (dp, cp)
-    dp_rank: int
-    positions: torch.Tensor  # this rank's positions of each sequence, on the device
-    query_blocks: list  # (first local row, first position, end position, causal bias) per attention call
-    key_order: torch.Tensor | None  # sorts the gathered head-tail shards into sequence order
-    document_mask: bool  # position ids restart per document; attention stays inside it
+    def __init__(
+        self, mesh: DeviceMesh, positions: torch.Tensor, query_blocks: list, key_order, documents=False
+    ):
+        self.mesh, self.size, self.group = mesh, mesh["cp"].size(), mesh.get_group("cp")  # mesh: (dp, cp)
+        self.dp_rank = mesh.get_local_rank("dp")
+        self.positions = positions  # this rank's positions of each sequence, on the device
+        self.query_blocks = query_blocks  # (first local row, first position, end, causal bias) per call
+        self.key_order = key_order  # sorts the gathered head-tail shards into sequence order
+        self.document_mask = documents  # position ids restart per document; attention stays inside it
 
     def shard(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's positions of a [batch, sequence] tensor."""
         return tensor[:, self.positions.to(tensor.device)]
+
+    def shard_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> dict:
+        """The model's keyword inputs for this rank's positions. Given position ids restart per packed
+        document or SFT example, and attention then stays inside each one."""
+        if position_ids is None:
+            return dict(
+                input_ids=self.shard(input_ids),
+                position_ids=self.positions.expand(len(input_ids), -1),
+                cp=self,
+            )
+        documents = CpState(self.mesh, self.positions, self.query_blocks, self.key_order, documents=True)
+        return dict(input_ids=self.shard(input_ids), position_ids=self.shard(position_ids), cp=documents)
 
 
 def use_cp_attention(torch_cp: bool = False) -> str:
@@ -49,7 +67,7 @@ def use_cp_attention(torch_cp: bool = False) -> str:
     return TORCH_ATTENTION if torch_cp else ATTENTION
 
 
-def _whole_sequence(local: torch.Tensor, dim: int, cp: CpState, gather=all_gather_tensor) -> torch.Tensor:
+def _whole_sequence(local: torch.Tensor, dim: int, cp: CpState, gather=all_gather) -> torch.Tensor:
     if cp.size == 1:
         return local
     full = gather(local.contiguous(), gather_dim=dim, group=cp.group)
@@ -62,8 +80,8 @@ def allgather_kv_attention(module, query, key, value, attention_mask, dropout=0.
     cp: CpState = kwargs["cp"]
     # The autograd all-gather's backward is a reduce-scatter; torch.distributed.nn's all_gather gave wrong
     # K/V gradients on gloo (docs/performance.md, "CP attention").
-    key = _whole_sequence(key, 2, cp, all_gather_tensor_autograd)
-    value = _whole_sequence(value, 2, cp, all_gather_tensor_autograd)
+    key = _whole_sequence(key, 2, cp, all_gather_autograd)
+    value = _whole_sequence(value, 2, cp, all_gather_autograd)
     if cp.document_mask:
         documents = (_whole_sequence(kwargs["position_ids"], 1, cp) == 0).cumsum(dim=1)  # [batch, seq]
         query_documents = documents[:, cp.positions]
@@ -123,9 +141,7 @@ def check_cp(
         )
 
 
-def setup(
-    seq_len: int, cp_size: int, load_balance: bool, device: torch.device, document_mask: bool = False
-) -> CpState:
+def setup(seq_len: int, cp_size: int, load_balance: bool, device: torch.device) -> CpState:
     """This rank's layout. The (dp, cp) mesh keeps a data-parallel rank's cp ranks adjacent, so
     build_dp_mesh(dp_shard x cp) over the same ranks shards over dp x cp."""
     mesh = init_device_mesh(
@@ -143,13 +159,4 @@ def setup(
             blocks.append((local, start, end, causal_lower_right(end - start, end)))
             local += end - start
     in_order = bool((every_rank.diff() == 1).all())  # head-tail shards arrive out of order: sort them
-    return CpState(
-        size=cp_size,
-        group=mesh.get_group("cp"),
-        mesh=mesh,
-        dp_rank=mesh.get_local_rank("dp"),
-        positions=positions.to(device),
-        query_blocks=blocks,
-        key_order=None if in_order else every_rank.argsort().to(device),
-        document_mask=document_mask,
-    )
+    return CpState(mesh, positions.to(device), blocks, None if in_order else every_rank.argsort().to(device))

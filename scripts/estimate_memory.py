@@ -47,6 +47,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from common import cp, loss
 from common.config import Config, ConfigError, TrainConfig
 from common.data.batches import Batch
+from common.evaluate import forward_shard, head_loss
 from common.mesh import build_dp_mesh
 from common.model import build_meta_model, init_buffers, load_model_config
 from common.moe import apply_tp_ep, build_moe_meshes, fsdp_meshes
@@ -108,10 +109,11 @@ def pick_recipe(requested: str, config_path: str, cfg: Config, hf_config) -> str
         return "pretrain" if "train" in json.load(f) else "eval"
 
 
-def fake_batch(micro_batch: int, seq_len: int, vocab: int, sft: bool) -> Batch:
+def fake_batch(micro_batch: int, seq_len: int, vocab: int, documents: bool) -> Batch:
+    """`documents`: position ids per packed document or SFT example, which CP attention masks by."""
     input_ids = torch.randint(0, vocab, (micro_batch, seq_len))
     batch = Batch(input_ids=input_ids, labels=input_ids.clone(), sample_indices=[])
-    if sft:  # a packed row of real tokens
+    if documents:  # a packed row of real tokens
         batch.position_ids = torch.arange(seq_len).expand(micro_batch, -1)
         batch.token_mask = torch.ones_like(input_ids, dtype=torch.bool)
     return batch
@@ -181,12 +183,13 @@ def measure(cfg: Config, recipe: str, world_size: int, device_type: str) -> dict
         cp_state = None
         if cp_size > 1 or recipe == "eval":  # as each script does
             load_balance = cfg.eval.load_balance if recipe == "eval" else True
-            cp_state = cp.setup(seq_len, cp_size, load_balance, device, cfg.data.document_mask)
+            cp_state = cp.setup(seq_len, cp_size, load_balance, device)
         # Meshes, CP state and the sharding plan are real or on `meta`; from the weights on, all is fake.
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=device)
             init_buffers(model, device)
-            batch = fake_batch(micro_batch, seq_len, built["hf_config"].vocab_size, sft=recipe == "moe")
+            documents = recipe == "moe" or cfg.data.document_mask
+            batch = fake_batch(micro_batch, seq_len, built["hf_config"].vocab_size, documents)
             optimizer = None if recipe == "eval" else build_optimizer(model, cfg, torch.device(device_type))
             tracker = FSDPMemTracker(model, optimizer)
             track_the_global_peak_only(tracker)
@@ -198,7 +201,7 @@ def measure(cfg: Config, recipe: str, world_size: int, device_type: str) -> dict
 
             def step():
                 if recipe == "eval":
-                    return eval_step(script, model, batch, cp_state, cfg)
+                    return eval_step(model, batch, cp_state, cfg)
                 train_step(model, optimizer, loss_of, accumulation, cfg.train.sync_each_batch)
 
             tracker.track_inputs((batch.input_ids, batch.labels))
@@ -260,15 +263,16 @@ def train_step(model, optimizer, loss, accumulation: int, sync_each_batch: bool)
 
 
 @torch.no_grad()
-def eval_step(script, model, batch, cp_state, cfg: Config) -> None:
-    """eval_cp.py's forward on this rank's positions and its chunked head loss. Always the all-gather
-    attention: torch's ring attention (eval.attention=torch_cp) needs CUDA kernels, and holds less."""
+def eval_step(model, batch, cp_state, cfg: Config) -> None:
+    """The evaluation's forward on this rank's positions and its chunked head loss (common/evaluate.py).
+    Always the all-gather attention: torch's ring attention (eval.attention=torch_cp) needs CUDA kernels,
+    and holds less."""
     hidden = {}
     handle = model.get_decoder().register_forward_hook(
         lambda module, args, out: hidden.update(last=out.last_hidden_state)
     )
-    labels = script.forward_shard(model, batch.input_ids, batch.labels, None, "allgather", cp_state)
-    script.head_loss(model, hidden["last"], labels, cfg.eval.loss_chunk_tokens)
+    labels = forward_shard(model, batch, torch.device("cpu"), cp_state, "allgather")
+    head_loss(model, hidden["last"], labels, cfg.eval.loss_chunk_tokens)
     handle.remove()
 
 

@@ -16,7 +16,6 @@ on any device. `auto` picks torch_cp on CUDA and allgather elsewhere.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -25,9 +24,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor.experimental import context_parallel
 from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
 
 # torch's table of SDPA kernels that context_parallel can run as ring attention (private: no public way to
@@ -36,8 +32,11 @@ from torch.distributed.tensor.experimental._context_parallel._attention import c
 
 from common import cp
 from common.config import Config, ConfigError
-from common.data.batches import build_batches
-from common.loss import chunk_logits
+from common.data.batches import load_tokenizer
+from common.data.embedded import ensure_embedded_tokenizer
+from common.data.held_out import held_out_rows, rank_batches
+from common.data.sft import is_sft
+from common.evaluate import evaluate
 from common.mesh import build_dp_mesh, gather, init_distributed, resolve_device
 from common.model import build_meta_model, init_buffers, load_model_config
 from common.ops.cli import parse_args, run_cli
@@ -47,23 +46,6 @@ from common.weights import is_sharded_export, load_hf_weights, load_sharded_expo
 from common.wrap import apply_fsdp, resolve_layer_classes
 
 CPU_SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-
-
-@torch.no_grad()
-def head_loss(model, hidden: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
-    """[sum of token losses, valid tokens, correct argmax] (float64), with lm_head run `chunk` tokens at a
-    time. The sums stay on the device: no host sync per chunk."""
-    head = model.get_output_embeddings()
-    owner = head if isinstance(head, FSDPModule) else model  # a tied head lives in the root unit
-    owner.unshard()  # one all-gather of the head's weight for all chunks
-    totals = torch.zeros(3, dtype=torch.float64, device=hidden.device)
-    for _, logits, target in chunk_logits(hidden.flatten(0, 1), head.weight, labels.flatten(), chunk):
-        keep = target != -100
-        totals[0] += F.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
-        totals[1] += keep.sum()
-        totals[2] += ((logits.argmax(-1) == target) & keep).sum()
-    owner.reshard()
-    return totals
 
 
 def check_config(cfg: Config, world_size: int) -> str:
@@ -84,9 +66,13 @@ def check_config(cfg: Config, world_size: int) -> str:
         )
     attention = e.attention
     on_cuda = resolve_device(cfg.train.device).type == "cuda"
+    # SFT rows pack examples that must not attend to each other, as data.document_mask keeps documents apart.
+    documents = cfg.data.document_mask or is_sft(
+        cfg.data.eval_dataset or cfg.data.dataset, cfg.data.text_field
+    )
     if attention == "auto":
-        attention = "torch_cp" if on_cuda and p.cp_size > 1 and not cfg.data.document_mask else "allgather"
-    if attention == "torch_cp" and cfg.data.document_mask:
+        attention = "torch_cp" if on_cuda and p.cp_size > 1 and not documents else "allgather"
+    if attention == "torch_cp" and documents:
         raise ConfigError(
             "eval.attention is 'torch_cp' but data.document_mask is true; torch's context_parallel "
             "supports plain causal attention only, so use auto or allgather"
@@ -120,41 +106,6 @@ def check_config(cfg: Config, world_size: int) -> str:
     return attention
 
 
-def forward_shard(
-    model, input_ids, labels, position_ids, attention: str, cp_state: cp.CpState
-) -> torch.Tensor:
-    """Run the model on this cp rank's share of every sequence; returns the labels of its positions."""
-    if attention == "torch_cp":  # torch shards the three buffers in place, then runs ring attention
-        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).repeat(len(input_ids), 1)
-        buffers = [input_ids, labels, position_ids]
-        with context_parallel(
-            cp_state.mesh["cp"], buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)
-        ):
-            model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=1, use_cache=False)
-        return labels
-    # All-gather attention: this rank's positions, by index. With data.document_mask the position ids restart
-    # per document, and the attention masks by them.
-    if position_ids is None:
-        position_ids = cp_state.positions.expand(len(input_ids), -1)
-    else:
-        position_ids = cp_state.shard(position_ids)
-    inputs = dict(input_ids=cp_state.shard(input_ids), position_ids=position_ids, cp=cp_state)
-    model(**inputs, logits_to_keep=1, use_cache=False)
-    return cp_state.shard(labels)
-
-
-def summarize(totals: torch.Tensor, seconds: float, **details) -> dict:
-    loss_sum, tokens, correct = totals.tolist()
-    return {
-        "eval_loss": loss_sum / tokens,
-        "perplexity": math.exp(loss_sum / tokens),
-        "accuracy": correct / tokens,
-        "tokens": int(tokens),
-        "tokens_per_s": tokens / seconds,
-        **details,
-    }
-
-
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv, description=__doc__)
     p, e, seq_len = cfg.parallelism, cfg.eval, cfg.data.seq_len
@@ -173,13 +124,15 @@ def main(argv: list[str] | None = None) -> None:
     prepare_diagnostics(cfg)  # NCCL's flight recorder dumps under the run directory on a timeout
     d = init_distributed(cfg.train.device, p.timeout_minutes)
     dp_size = d.world_size // p.cp_size
-    cp_state = cp.setup(seq_len, p.cp_size, e.load_balance, d.device, cfg.data.document_mask)
+    cp_state = cp.setup(seq_len, p.cp_size, e.load_balance, d.device)
     set_rotate_method(p.cp_comm_strategy)  # torch_cp only: how K/V shards travel between cp ranks
     # torch_cp only: its head-tail shards, the same as ours; torch 2.13 has no public switch for it.
     _cp_options.enable_load_balance = e.load_balance
-    # Every rank reads all rows, unshuffled, and picks its own below.
-    whole = dict(global_batch=dp_size, micro_batch=1, dp_rank=0, dp_size=1, is_main=d.is_main)
-    tokenizer, data = build_batches(cfg.data, cfg.train.seed, **whole)
+    # The held-out rows (data.eval_dataset, else data.dataset's first rows), the same as training evaluates;
+    # each data-parallel rank takes its share, and every cp rank of it the same rows.
+    ensure_embedded_tokenizer(cfg.data, d.is_main)
+    rows = held_out_rows(cfg.data, e, load_tokenizer(cfg.data), d.is_main)
+    batches = rank_batches(rows, e.batch_size, cp_state.dp_rank, dp_size)
 
     # Weights sharded over every rank (dp x cp), as Accelerate does; loaded exactly like pretrain_fsdp.py.
     apply_fsdp(model, build_dp_mesh(d.device.type, 1, d.world_size), cfg.fsdp, d.device.type, training=False)
@@ -190,40 +143,18 @@ def main(argv: list[str] | None = None) -> None:
     else:
         source, broadcast = cfg.model.name_or_path, cfg.fsdp.cpu_ram_efficient_loading
         load_hf_weights(model, source, broadcast, cfg.model.trust_remote_code)
-    model.eval()
     reset_peak_memory(d.device)
     loaded = gather(peak_memory_bytes(d.device) / GIB)  # right after the reset: what loading left behind
-    hidden = {}  # the decoder's output; the head runs chunk by chunk in head_loss, never on all tokens
-    model.get_decoder().register_forward_hook(
-        lambda module, args, out: hidden.update(last=out.last_hidden_state)
-    )
 
-    num = min(e.max_sequences, len(data.rows))
-    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, valid tokens, correct tokens
     start_time = time.perf_counter()
-    batch = data.fixed_batch(num)  # the first `num` sequences; labels already shifted on the full rows
-    with torch.no_grad():
-        for first in range(0, num, dp_size * e.batch_size):
-            # Every rank runs every step (FSDP's all-gathers need all ranks); rows past the end score nothing.
-            index = [first + cp_state.dp_rank * e.batch_size + i for i in range(e.batch_size)]
-            rows = [i if i < num else 0 for i in index]
-            labels = batch.labels[rows].clone()
-            labels[[j for j, i in enumerate(index) if i >= num]] = -100
-            position_ids = None if batch.position_ids is None else batch.position_ids[rows].to(d.device)
-            input_ids, labels = batch.input_ids[rows].to(d.device), labels.to(d.device)
-            labels = forward_shard(model, input_ids, labels, position_ids, attention, cp_state)
-            totals += head_loss(model, hidden["last"], labels, e.loss_chunk_tokens).cpu()
-    dist.all_reduce(totals)  # over dp x cp: the cp shards partition each sequence, so no token counts twice
-    layout = dict(sequences=num, seq_len=seq_len, cp_size=p.cp_size, dp_size=dp_size, attention=attention)
-    peak = gather(peak_memory_bytes(d.device) / GIB)
-    results = summarize(
-        totals,
-        time.perf_counter() - start_time,
-        **layout,
-        load_balance=e.load_balance,
-        mem_after_load_gib_per_rank=loaded,
-        peak_mem_gib_per_rank=peak,
+    # Token-weighted over dp x cp: the cp shards partition each sequence, so no token counts twice.
+    results = evaluate(model, batches, d.device, cp_state, e.loss_chunk_tokens, attention=attention)
+    results["tokens_per_s"] = results["tokens"] / (time.perf_counter() - start_time)
+    layout = dict(sequences=len(rows.labels), seq_len=seq_len, cp_size=p.cp_size, dp_size=dp_size)
+    results.update(
+        layout, attention=attention, load_balance=e.load_balance, mem_after_load_gib_per_rank=loaded
     )
+    results["peak_mem_gib_per_rank"] = gather(peak_memory_bytes(d.device) / GIB)
     if d.is_main:
         os.makedirs(cfg.checkpoint.dir, exist_ok=True)
         with open(os.path.join(cfg.checkpoint.dir, "eval_results.json"), "w") as f:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
@@ -25,10 +26,12 @@ import torch
 import torch.distributed as dist
 
 from common import loss
-from common.checkpoint import load_checkpoint, save_checkpoint, train_state
+from common.checkpoint import checkpoints_dir, load_checkpoint, save_checkpoint, train_state
 from common.config import Config, ConfigError, TrainConfig
-from common.data.batches import Batch, check_batch_sizes, check_vocab_size
-from common.data.sft import build_sft_batches, eval_batches
+from common.data.batches import Batch, check_batch_sizes
+from common.data.held_out import held_out_batches
+from common.data.sft import build_sft_batches
+from common.evaluate import evaluate
 from common.mesh import gather, init_distributed
 from common.model import build_meta_model, init_buffers, load_model_config
 from common.moe import (
@@ -46,10 +49,10 @@ from common.ops.async_save import BackgroundSaves
 from common.ops.cli import parse_args, run_cli
 from common.ops.metrics import MetricsLogger, StepLog, final_record, model_ready_record
 from common.ops.profiling import prepare_diagnostics
-from common.ops.run_dir import check_shared_storage, find_resume_checkpoint
+from common.ops.run_dir import find_resume_checkpoint
 from common.ops.stopping import StopRules
 from common.optim import build_optimizer, clip_grad_norm_, lr_multiplier
-from common.weights import export_final, load_or_init_weights
+from common.weights import export_final, load_or_init_weights, load_sharded_export
 from common.wrap import apply_fsdp, resolve_layer_classes
 
 
@@ -93,7 +96,9 @@ def global_sum(value: torch.Tensor, tp: int) -> torch.Tensor:
     return value / tp
 
 
-def train_step(model, optimizer, micro_batches, loss_fn: MoeLoss, device, t: TrainConfig, tp: int) -> dict:
+def train_step(
+    model, optimizer, scheduler, micro_batches, loss_fn: MoeLoss, device, t: TrainConfig, tp: int
+) -> dict:
     """One optimizer step; the loss is divided by the global answer-token count and FSDP sums gradients
     (see apply_fsdp), so any (fsdp, ep, tp) layout gives the one-process update."""
     targets = [(b.labels != -100).sum() for b in micro_batches]
@@ -113,9 +118,12 @@ def train_step(model, optimizer, micro_batches, loss_fn: MoeLoss, device, t: Tra
     grad_norm = clip_grad_norm_(model.parameters(), t.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    lr = scheduler.get_last_lr()[0]  # this step's
+    scheduler.step()
     ce_sum, aux_sum, load = (global_sum(x, tp) for x in (ce_sum, aux_sum, load.double()))
     return {
         "loss": (ce_sum / global_tokens).item(),
+        "lr": lr,
         "router_aux_loss": (aux_sum / global_tokens).item(),
         "grad_norm": grad_norm,
         "tokens": int(global_tokens.item()),
@@ -123,18 +131,6 @@ def train_step(model, optimizer, micro_batches, loss_fn: MoeLoss, device, t: Tra
         "tokens_per_expert_max": load.max(dim=1).values.tolist(),
         "tokens_per_expert_mean": load.mean(dim=1).tolist(),
     }
-
-
-@torch.no_grad()
-def evaluate(model, batches: list[Batch], loss_fn: MoeLoss, device, tp: int) -> float:
-    """Token-weighted mean loss over answer tokens of the held-out rows (every rank runs the same count)."""
-    model.eval()
-    ce_sum = tokens = torch.zeros((), device=device, dtype=torch.float64)
-    for batch in batches:
-        ce_sum = ce_sum + loss_fn(model, batch, device)[0]
-        tokens = tokens + (batch.labels != -100).sum()
-    model.train()
-    return (global_sum(ce_sum, tp) / global_sum(tokens, tp)).item()
 
 
 @torch.no_grad()
@@ -215,7 +211,7 @@ def check_config(cfg: Config, world_size: int, model) -> tuple[MoeSizes, int, Ca
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv, description=__doc__)
-    t, c = cfg.train, cfg.checkpoint
+    t, c, e = cfg.train, cfg.checkpoint, cfg.eval
     hf_config = load_model_config(cfg.model, cfg.data.seq_len)
     model = build_meta_model(hf_config, cfg.model, t.gradient_checkpointing)  # on `meta`: no memory yet
     sizes, num_experts, aux_loss_fn = check_config(cfg, int(os.environ.get("WORLD_SIZE", 1)), model)
@@ -224,72 +220,68 @@ def main(argv: list[str] | None = None) -> None:
     # Two views of the same ranks: dense (dp_replicate, fsdp, tp) and expert (dp_replicate, efsdp, ep).
     prepare_diagnostics(cfg)  # NCCL's flight recorder dumps under the run directory on a timeout
     d = init_distributed(t.device, cfg.parallelism.timeout_minutes)
-    dense_mesh, expert_mesh = build_moe_meshes(d.device.type, sizes)
+    device, (dense_mesh, expert_mesh) = d.device, build_moe_meshes(d.device.type, sizes)
     dp_rank = data_parallel_rank(dense_mesh)  # tp peers share a batch
     torch.manual_seed(t.seed)
 
     # SFT data: loss only on answers; rows packed or padded, sampled the same way on any world size.
-    tokenizer, data = build_sft_batches(
-        cfg.data, t.seed, t.global_batch_size, t.micro_batch_size, dp_rank, sizes.dp, d.is_main
-    )
-    check_vocab_size(len(tokenizer), hf_config.vocab_size)
-    held_out = eval_batches(cfg.data, cfg.eval, tokenizer, dp_rank, sizes.dp, d.is_main)  # [] without one
-    check_shared_storage(c.dir)  # multi-node: a node-local checkpoint.dir could never be resumed
+    tokenizer, data = build_sft_batches(cfg.data, t, dp_rank, sizes.dp, d.is_main, hf_config.vocab_size)
+    held_out = held_out_batches(cfg.data, e, tokenizer, dp_rank, sizes.dp, d.is_main) if e.interval else []
+    resume_from = find_resume_checkpoint(c.dir, c.resume)  # rank 0 decides; every rank must see c.dir
 
     # TP and EP from the model's own plans, then FSDP: experts over (dp_replicate, efsdp), the rest over
     # (dp_replicate, fsdp). Still on `meta`: no rank ever holds the full model.
     experts = apply_tp_ep(model, sizes, dense_mesh, expert_mesh)
     dp_mesh, efsdp_mesh = fsdp_meshes(dense_mesh, expert_mesh)
-    sharding = apply_fsdp(model, dp_mesh, cfg.fsdp, d.device.type, experts=experts, expert_mesh=efsdp_mesh)
-    model.to_empty(device=torch.device("cpu") if cfg.fsdp.cpu_offload else d.device)
-    init_buffers(model, d.device)
-    optimizer = build_optimizer(model, cfg, d.device)
+    sharding = apply_fsdp(model, dp_mesh, cfg.fsdp, device.type, experts=experts, expert_mesh=efsdp_mesh)
+    model.to_empty(device=torch.device("cpu") if cfg.fsdp.cpu_offload else device)
+    init_buffers(model, device)
+    optimizer = build_optimizer(model, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
-    resume_from = find_resume_checkpoint(c.dir, c.resume)
-    start_step, samples = 0, 0  # samples: the global data position, the same on any world size
+    state = {}  # the train_state of the checkpoint this run resumes from
     if resume_from:  # weights, optimizer, scheduler and RNG, resharded to this world size
         state = load_checkpoint(resume_from, model, optimizer, scheduler)
-        start_step, samples = state["step"], state["samples"]
     else:
         load_or_init_weights(model, cfg, hf_config.initializer_range)
+    start_step, samples = state.get("step", 0), state.get("samples", 0)  # samples: the data position
     loss_fn = MoeLoss(model, aux_loss_fn, num_experts, t, sizes.tp)
 
     logger = MetricsLogger(cfg, d.is_main)
     details = dict(resumed_from=resume_from, start_step=start_step, **moe_details(experts, loss_fn))
-    logger.log(model_ready_record(model, d.device, cfg.fsdp, dense_mesh, **details, **sharding))
-    step_log = StepLog(cfg, logger, start_step, d.device)  # no MFU: only the routed experts compute
-    stop, background, stopping = StopRules(cfg, start_step, d.device), BackgroundSaves(logger), None
-    if held_out and start_step == 0:  # the held-out loss before training
-        eval_loss = evaluate(model, held_out, loss_fn, d.device, sizes.tp)
-        logger.log({"event": "eval", "step": 0, "eval_loss": eval_loss})
+    logger.log(model_ready_record(model, device, cfg.fsdp, dense_mesh, **details, **sharding))
+    step_log = StepLog(cfg, logger, start_step, device)  # no MFU: only the routed experts compute
+    score = partial(evaluate, model, held_out, device, None, e.loss_chunk_tokens, replicas=sizes.tp)
+    if held_out and start_step == 0:  # the baseline before training: step 0
+        step_log.log_eval(0, score())
+    stop, background, stopping = StopRules(cfg, start_step, device, state), BackgroundSaves(logger), None
     with step_log, stop, background:
         for step in range(start_step + 1, t.steps + 1):
-            stats = train_step(model, optimizer, data.micro_batches(samples), loss_fn, d.device, t, sizes.tp)
+            batches = data.micro_batches(samples)
+            stats = train_step(model, optimizer, scheduler, batches, loss_fn, device, t, sizes.tp)
             samples += t.global_batch_size
             stopping = stop.after_step(step, stats["loss"])  # None, or "preempted", "train.stop_after"
             background.finish_if_written()  # a background write that every rank has finished
-            stats.update(lr=scheduler.get_last_lr()[0], samples=samples)
-            step_log.log(step, stats, tokens=stats["tokens_processed"])
-            scheduler.step()
+            step_log.log(step, {**stats, "samples": samples}, tokens=stats["tokens_processed"])
+            if held_out and (step % e.interval == 0 or step == t.steps):
+                stopping = stopping or stop.after_eval(step, step_log.log_eval(step, score()))
             if stopping or step == t.steps or (c.interval and step % c.interval == 0):
-                state = train_state(step, samples, stats["loss"], scheduler, data)
+                state = train_state(step, samples, stats["loss"], scheduler, data, **stop.state_dict())
                 if c.async_save:  # DCP writes in the background; completed and logged once written
                     background.start(c.dir, step, model, optimizer, state, c.keep_latest, tokenizer)
                 else:
                     path = save_checkpoint(c.dir, step, model, optimizer, state, c.keep_latest, tokenizer)
                     logger.log({"event": "checkpoint", "step": step, "path": path})
             if stopping:
-                logger.log({"event": "stopped", "step": step, "reason": stopping})
+                logger.log({"event": "stopped", "step": step, "reason": stopping, **stop.state_dict()})
                 break
 
-    if not stopping:
-        fixed_loss = fixed_batch_loss(model, data, loss_fn, d.device, t.micro_batch_size)
-        final = {**final_record(model, optimizer, d.device), "step": t.steps, "fixed_batch_loss": fixed_loss}
-        if held_out:
-            final["eval_loss"] = evaluate(model, held_out, loss_fn, d.device, sizes.tp)
-        logger.log(final)
+    if stopping in (None, "early stopping"):
+        if c.load_best_model_at_end:  # the weights of the step with the lowest eval_loss
+            load_sharded_export(model, os.path.join(checkpoints_dir(c.dir), f"step-{stop.best_step}"))
+        fixed_loss = fixed_batch_loss(model, data, loss_fn, device, t.micro_batch_size)
+        logger.log({**final_record(model, optimizer, device, fixed_loss), "step": t.steps})
         if c.export:
-            path = export_final(model, cfg, tokenizer, d.device.type)
+            path = export_final(model, cfg, tokenizer, device.type)
             logger.log({"event": "exported", "path": path, "state_dict_type": cfg.fsdp.state_dict_type})
     logger.close()
     dist.destroy_process_group()

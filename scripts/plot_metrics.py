@@ -1,4 +1,4 @@
-"""Plot loss, tokens/s and grad norm against step, for one run or several overlaid.
+"""Plot loss (and the held-out eval_loss), tokens/s and grad norm against step, for one or several runs.
 
     python scripts/plot_metrics.py runs/debug_llama                  # writes runs/debug_llama/metrics.png
     python scripts/plot_metrics.py runs/straight runs/resumed --out resume.png
@@ -22,8 +22,8 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
-def read_steps(run_dir: str) -> list[dict]:
-    """The per-step records of a run; one line and exit 2 if there are none."""
+def read_steps(run_dir: str) -> tuple[list[dict], list[dict]]:
+    """The per-step records of a run and its evaluations; one line and exit 2 if there are no steps."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         fail(f"{run_dir!r} has no metrics.jsonl; give a run directory (its checkpoint.dir)")
@@ -32,7 +32,7 @@ def read_steps(run_dir: str) -> list[dict]:
     steps = [r for r in records if "step" in r and "event" not in r]
     if not steps:
         fail(f"{path} holds no step records yet; plot it after the first logged step")
-    return steps
+    return steps, [r for r in records if r.get("event") == "eval"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -52,11 +52,17 @@ def main(argv: list[str] | None = None) -> None:
         fail("matplotlib is not installed; pip install matplotlib")
 
     figure, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.6), constrained_layout=True)
-    for run_dir, steps in runs.items():
+    for run_dir, (steps, evals) in runs.items():
         for ax, (key, _) in zip(axes, PANELS):
             points = [(r["step"], r[key]) for r in steps if r.get(key) is not None]
             if points:
                 ax.plot(*zip(*points), marker=".", label=os.path.normpath(run_dir))
+        if evals:  # on the loss panel, in the same colour as the run's training loss
+            color = axes[0].get_lines()[-1].get_color()
+            label = f"{os.path.normpath(run_dir)} eval_loss"
+            axes[0].plot(
+                [r["step"] for r in evals], [r["eval_loss"] for r in evals], "--o", color=color, label=label
+            )
     for ax, (_, title) in zip(axes, PANELS):
         ax.set_title(title)
         ax.set_xlabel("step")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
@@ -18,9 +19,11 @@ import torch
 import torch.distributed as dist
 
 from common import cp, loss
-from common.checkpoint import load_checkpoint, save_checkpoint, train_state
+from common.checkpoint import checkpoints_dir, load_checkpoint, save_checkpoint, train_state
 from common.config import Config, ConfigError, TrainConfig
-from common.data.batches import Batch, build_batches, check_batch_sizes, check_vocab_size
+from common.data.batches import Batch, build_batches, check_batch_sizes
+from common.data.held_out import held_out_batches
+from common.evaluate import evaluate
 from common.mesh import build_dp_mesh, init_distributed, resolve_dp_sizes
 from common.model import build_meta_model, init_buffers, load_model_config
 from common.ops.async_save import BackgroundSaves
@@ -33,10 +36,10 @@ from common.ops.metrics import (
     model_ready_record,
 )
 from common.ops.profiling import prepare_diagnostics
-from common.ops.run_dir import check_shared_storage, find_resume_checkpoint
+from common.ops.run_dir import find_resume_checkpoint
 from common.ops.stopping import StopRules
 from common.optim import build_optimizer, clip_grad_norm_, lr_multiplier
-from common.weights import export_final, load_or_init_weights
+from common.weights import export_final, load_or_init_weights, load_sharded_export
 from common.wrap import apply_fsdp, resolve_layer_classes
 
 
@@ -44,8 +47,8 @@ def token_loss_sum(
     model: torch.nn.Module, batch: Batch, device: torch.device, cp_state: cp.CpState | None, chunk_tokens: int
 ) -> torch.Tensor:
     """Summed token loss; with context parallelism, over this rank's positions of each sequence only.
-    With data.document_mask the batch's position ids restart per document, which keeps attention inside it.
-    The output layer and loss run chunk_tokens tokens at a time (common/loss.py)."""
+    Position ids that restart per packed document (data.document_mask) or SFT example keep attention
+    inside it. The output layer and loss run chunk_tokens tokens at a time (common/loss.py)."""
     input_ids, labels = batch.input_ids.to(device), batch.labels.to(device)
     position_ids = None if batch.position_ids is None else batch.position_ids.to(device)
     if cp_state is None:
@@ -53,16 +56,14 @@ def token_loss_sum(
             model, labels, chunk_tokens, input_ids=input_ids, position_ids=position_ids
         )
     # Labels were shifted on the full row; inputs, labels and positions are sharded the same way.
-    if position_ids is None:
-        position_ids = cp_state.positions.expand(len(input_ids), -1)
-    else:
-        position_ids = cp_state.shard(position_ids)
-    inputs = dict(input_ids=cp_state.shard(input_ids), position_ids=position_ids, cp=cp_state)
+    inputs = cp_state.shard_inputs(input_ids, position_ids)
     return loss.token_loss_sum(model, cp_state.shard(labels), chunk_tokens, **inputs)
 
 
-def train_step(model, optimizer, micro_batches, device, cp_state: cp.CpState | None, t: TrainConfig) -> dict:
-    """One optimizer step over this rank's micro-batches: mean token loss, grad norm, tokens.
+def train_step(
+    model, optimizer, scheduler, micro_batches, device, cp_state: cp.CpState | None, t: TrainConfig
+) -> dict:
+    """One optimizer step over this rank's micro-batches: mean token loss, grad norm, tokens, the lr.
 
     The loss is divided by the number of target tokens summed over all ranks and micro-batches, and FSDP
     sums gradients (see apply_fsdp), so N ranks x k micro-batches give exactly the one-process update,
@@ -82,11 +83,14 @@ def train_step(model, optimizer, micro_batches, device, cp_state: cp.CpState | N
     grad_norm = clip_grad_norm_(model.parameters(), t.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    lr = scheduler.get_last_lr()[0]  # this step's
+    scheduler.step()
     dist.all_reduce(loss_sum)
     return {
         "loss": (loss_sum / global_tokens).item(),
         "grad_norm": grad_norm,
         "tokens": int(global_tokens.item()),
+        "lr": lr,
     }
 
 
@@ -130,7 +134,7 @@ def check_config(cfg: Config, world_size: int) -> tuple[int, int, int]:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv, description=__doc__)
-    t, c, seq_len, cp_size = cfg.train, cfg.checkpoint, cfg.data.seq_len, cfg.parallelism.cp_size
+    t, c, e, seq_len, cp_size = cfg.train, cfg.checkpoint, cfg.eval, cfg.data.seq_len, cfg.parallelism.cp_size
     dp_replicate, dp_shard, dp_size = check_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     if cp_size > 1:  # attention all-gathers K/V over the cp group (common/cp.py)
         cfg.model.attn_implementation = cp.use_cp_attention()
@@ -144,61 +148,64 @@ def main(argv: list[str] | None = None) -> None:
     # dp_shard x cp and each rank trains on its head-tail share of every sequence's positions.
     prepare_diagnostics(cfg)  # NCCL's flight recorder dumps under the run directory on a timeout
     d = init_distributed(t.device, cfg.parallelism.timeout_minutes)
-    mesh = build_dp_mesh(d.device.type, dp_replicate, dp_shard * cp_size)
-    cp_state = cp.setup(seq_len, cp_size, True, d.device, cfg.data.document_mask) if cp_size > 1 else None
+    device, mesh = d.device, build_dp_mesh(d.device.type, dp_replicate, dp_shard * cp_size)
+    cp_state = cp.setup(seq_len, cp_size, True, device) if cp_size > 1 else None
     torch.manual_seed(t.seed)
 
-    # Data before the model, so a missing dataset or tokenizer fails before any memory is allocated.
-    dp_rank = d.rank if cp_state is None else cp_state.dp_rank
-    tokenizer, data = build_batches(
-        cfg.data, t.seed, t.global_batch_size, t.micro_batch_size, dp_rank, dp_size, is_main=d.is_main
-    )
-    check_vocab_size(len(tokenizer), hf_config.vocab_size)
-    check_shared_storage(c.dir)  # multi-node: a node-local checkpoint.dir could never be resumed
+    # Data before the model, so a missing dataset or tokenizer fails before any memory is allocated. A
+    # data-parallel rank's cp ranks are adjacent (common/cp.py) and read the same batches.
+    dp_rank = d.rank // cp_size
+    tokenizer, data = build_batches(cfg.data, t, dp_rank, dp_size, d.is_main, hf_config.vocab_size)
+    held_out = held_out_batches(cfg.data, e, tokenizer, dp_rank, dp_size, d.is_main) if e.interval else []
+    resume_from = find_resume_checkpoint(c.dir, c.resume)  # rank 0 decides; every rank must see c.dir
 
     # Shard first, then allocate: no rank ever holds the full fp32 model.
-    sharding = apply_fsdp(model, mesh, cfg.fsdp, d.device.type, compile_layers=t.compile)
-    model.to_empty(device=torch.device("cpu") if cfg.fsdp.cpu_offload else d.device)
-    init_buffers(model, d.device)
-    optimizer = build_optimizer(model, cfg, d.device)
+    sharding = apply_fsdp(model, mesh, cfg.fsdp, device.type, compile_layers=t.compile)
+    model.to_empty(device=torch.device("cpu") if cfg.fsdp.cpu_offload else device)
+    init_buffers(model, device)
+    optimizer = build_optimizer(model, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
-    resume_from = find_resume_checkpoint(c.dir, c.resume)
-    start_step, samples = 0, 0  # samples: the global data position, the same on any world size
+    state = {}  # the train_state of the checkpoint this run resumes from
     if resume_from:  # weights, optimizer, scheduler, RNG and data position, resharded to this world size
         state = load_checkpoint(resume_from, model, optimizer, scheduler, data)
-        start_step, samples = state["step"], state["samples"]
     else:
         load_or_init_weights(model, cfg, hf_config.initializer_range)
+    start_step, samples = state.get("step", 0), state.get("samples", 0)  # samples: the data position
 
     logger = MetricsLogger(cfg, d.is_main)
     details = dict(data=getattr(data, "tokens_path", None), resumed_from=resume_from, start_step=start_step)
-    logger.log(model_ready_record(model, d.device, cfg.fsdp, mesh, **details, **sharding))
-    step_log = StepLog(cfg, logger, start_step, d.device, flops_per_token(model, seq_len))
-    stop, background, stopping = StopRules(cfg, start_step, d.device), BackgroundSaves(logger), None
+    logger.log(model_ready_record(model, device, cfg.fsdp, mesh, **details, **sharding))
+    step_log = StepLog(cfg, logger, start_step, device, flops_per_token(model, seq_len))
+    score = partial(evaluate, model, held_out, device, cp_state, e.loss_chunk_tokens)  # as eval_cp.py does
+    if held_out and start_step == 0:  # the baseline before training: step 0
+        step_log.log_eval(0, score())
+    stop, background, stopping = StopRules(cfg, start_step, device, state), BackgroundSaves(logger), None
     with step_log, stop, background:
         for step in range(start_step + 1, t.steps + 1):
-            result = train_step(model, optimizer, data.micro_batches(samples), d.device, cp_state, t)
+            result = train_step(model, optimizer, scheduler, data.micro_batches(samples), device, cp_state, t)
             samples += t.global_batch_size
             stopping = stop.after_step(step, result["loss"])  # None, or "preempted", "train.stop_after"
             background.finish_if_written()  # a background write that every rank has finished
-            step_log.log(step, {**result, "lr": scheduler.get_last_lr()[0], "samples": samples})
-            scheduler.step()
+            step_log.log(step, {**result, "samples": samples})
+            if held_out and (step % e.interval == 0 or step == t.steps):
+                stopping = stopping or stop.after_eval(step, step_log.log_eval(step, score()))
             if stopping or step == t.steps or (c.interval and step % c.interval == 0):
-                state = train_state(step, samples, result["loss"], scheduler, data)
+                state = train_state(step, samples, result["loss"], scheduler, data, **stop.state_dict())
                 if c.async_save:  # DCP writes in the background; completed and logged once written
                     background.start(c.dir, step, model, optimizer, state, c.keep_latest, tokenizer)
                 else:
                     path = save_checkpoint(c.dir, step, model, optimizer, state, c.keep_latest, tokenizer)
                     logger.log({"event": "checkpoint", "step": step, "path": path})
             if stopping:
-                logger.log({"event": "stopped", "step": step, "reason": stopping})
+                logger.log({"event": "stopped", "step": step, "reason": stopping, **stop.state_dict()})
                 break
 
-    if not stopping:
-        fixed_loss = fixed_batch_loss(model, data, d.device, cp_state, t)
-        logger.log({**final_record(model, optimizer, d.device), "fixed_batch_loss": fixed_loss})
+    if stopping in (None, "early stopping"):
+        if c.load_best_model_at_end:  # the weights of the step with the lowest eval_loss
+            load_sharded_export(model, os.path.join(checkpoints_dir(c.dir), f"step-{stop.best_step}"))
+        logger.log(final_record(model, optimizer, device, fixed_batch_loss(model, data, device, cp_state, t)))
         if c.export:
-            path = export_final(model, cfg, tokenizer, d.device.type)
+            path = export_final(model, cfg, tokenizer, device.type)
             logger.log({"event": "exported", "path": path, "state_dict_type": cfg.fsdp.state_dict_type})
     logger.close()
     dist.destroy_process_group()

@@ -152,6 +152,11 @@ def check_xla_config(cfg: Config, num_devices: int) -> None:
                 f"{key} is set, which the XLA recipe does not implement (its checkpoints are written "
                 f"synchronously; torch_xla.debug.profiler traces the XLA device); remove it"
             )
+    if cfg.eval.interval:
+        raise ConfigError(
+            f"eval.interval is {cfg.eval.interval}, but the XLA recipe does not evaluate during training; "
+            f"score its checkpoints with scripts/eval_cp.py, or set eval.interval=0"
+        )
     if cfg.data.document_mask:
         raise ConfigError(
             "data.document_mask is true, which the XLA recipe does not implement (its attention is "
@@ -348,9 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     t, c, is_main = cfg.train, cfg.checkpoint, xr.process_index() == 0
 
     # Every host builds the whole global batch (deterministic); each device keeps its slice of the batch dim.
-    tokenizer, data = build_batches(
-        cfg.data, t.seed, t.global_batch_size, t.micro_batch_size, dp_rank=0, dp_size=1, is_main=is_main
-    )
+    tokenizer, data = build_batches(cfg.data, t, dp_rank=0, dp_size=1, is_main=is_main)
     model = build_model(cfg)
     check_vocab_size(len(tokenizer), model.config.vocab_size)
     num_params = sum(p.numel() for p in model.parameters())

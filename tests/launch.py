@@ -108,9 +108,9 @@ def event(records: list[dict], name: str) -> dict:
     return next(r for r in records if r.get("event") == name)
 
 
-def write_short_documents(path) -> str:
+def write_short_documents(path, seed: int = 0) -> str:
     """A JSONL corpus of 600 documents of 5-40 words, so packed rows of 64+ tokens hold several documents."""
-    rng = random.Random(0)
+    rng = random.Random(seed)
     words = "the model reads every token of a short document and then another one begins after it".split()
     with open(path, "w") as f:
         for _ in range(600):

@@ -203,6 +203,20 @@ BAD_INPUTS = {
         r"metrics.profile_steps is \[3, 2\]; give \[first, last\]",
     ),
     "memory_snapshot_on_cpu": (["metrics.memory_snapshot=true"], "this run is on the CPU; it records CUDA's"),
+    # Evaluation during training, the best model and early stopping (the Trainer's rules).
+    "eval_without_held_out_set": (["eval.interval=5"], "eval.interval is 5 but data.eval_dataset is not set"),
+    "negative_patience": (
+        ["eval.early_stopping_patience=-1"],
+        "eval.early_stopping_patience is -1; it must be >= 0",
+    ),
+    "early_stopping_without_eval": (
+        ["eval.early_stopping_patience=2"],
+        "eval.early_stopping_patience is 2 but eval.interval is 0, so nothing is evaluated",
+    ),
+    "best_model_without_checkpoints": (
+        ["data.eval_dataset=embedded", "eval.interval=5", "checkpoint.load_best_model_at_end=true"],
+        "needs a checkpoint at every evaluation, but checkpoint.interval is 0",
+    ),
 }
 
 

@@ -44,6 +44,7 @@ def cp1(export, tmp_path_factory):
     return evaluate(export, tmp_path_factory.mktemp("cp1"), *SEQ, "parallelism.cp_size=1")
 
 
+@pytest.mark.compat
 def test_cp1_equals_plain_transformers(export, cp1):
     batch = reference_batch(export)
     model = AutoModelForCausalLM.from_pretrained(export).eval()
@@ -61,7 +62,7 @@ def test_cp1_equals_plain_transformers(export, cp1):
 @pytest.mark.parametrize(
     "nproc,overrides,source",
     [
-        (2, ["parallelism.cp_size=2"], "export"),
+        pytest.param(2, ["parallelism.cp_size=2"], "export", marks=pytest.mark.compat),
         (2, ["parallelism.cp_size=2", "eval.load_balance=false"], "export"),
         (4, ["parallelism.cp_size=4"], "export"),
         (4, ["parallelism.cp_size=2"], "export"),  # dp 2 x cp 2

@@ -27,6 +27,7 @@ def fixed_batch_loss_of(model, config_overrides: dict) -> float:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.labels.flatten()).item()
 
 
+@pytest.mark.compat
 def test_full_export_loads_in_transformers_with_identical_outputs(tmp_path):
     records = pretrain(tmp_path, "train.steps=4", "fsdp.state_dict_type=FULL_STATE_DICT")
     export = tmp_path / "export"
@@ -53,6 +54,7 @@ def test_full_export_loads_in_transformers_with_identical_outputs(tmp_path):
     assert (tmp_path / "run_config.json").exists()
 
 
+@pytest.mark.compat
 def test_sharded_export_is_one_file_per_rank_and_reloads_exactly_on_another_world_size(tmp_path):
     trained = pretrain(tmp_path / "a", "train.steps=4", "fsdp.state_dict_type=SHARDED_STATE_DICT")
     export = tmp_path / "a" / "export"

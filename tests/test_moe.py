@@ -129,7 +129,9 @@ def layouts(tmp_path_factory, qwen):
     return get
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.compat) if n == "fsdp4-ep2" else n for n in LAYOUTS]
+)
 def test_layout_matches_one_process_and_places_experts(name, reference, layouts):
     ref_dir, ref = reference
     run_dir, records = layouts(name)
@@ -342,8 +344,9 @@ def test_debug_config_learns_arithmetic_and_logs_router_metrics(tmp_path):
     """The shipped config as is: a tiny Qwen3-MoE from scratch on the generated task; held-out loss falls."""
     run("finetune_moe_ep_fsdp.py", ["--config", MOE, f"checkpoint.dir={tmp_path}"], nproc=0, timeout=300)
     records = read_metrics(tmp_path)
-    before = next(r for r in records if r.get("event") == "eval")["eval_loss"]
-    after = event(records, "final")["eval_loss"]
+    evals = [r for r in records if r.get("event") == "eval"]  # eval.interval: before training and at its end
+    assert [r["step"] for r in evals] == [0, 60]
+    before, after = evals[0]["eval_loss"], evals[-1]["eval_loss"]
     assert after < 0.4 * before, (before, after)
     last = steps(records)[-1]
     assert last["router_aux_loss"] > 0

@@ -17,9 +17,11 @@ def single_process(tmp_path_factory):
 @pytest.mark.parametrize(
     "nproc,overrides",
     [
-        (2, []),
+        pytest.param(2, [], marks=pytest.mark.compat),
         (4, []),
-        (4, ["parallelism.dp_replicate_size=2", "parallelism.dp_shard_size=2"]),  # 2x2 HSDP
+        pytest.param(  # 2x2 HSDP
+            4, ["parallelism.dp_replicate_size=2", "parallelism.dp_shard_size=2"], marks=pytest.mark.compat
+        ),
         # context parallel training: each rank trains on half of every sequence
         (
             2,

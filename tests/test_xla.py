@@ -185,7 +185,7 @@ def test_export_loads_in_plain_transformers_with_the_trained_loss(straight):
     from common.data.batches import build_batches
 
     cfg.data.tokenizer = export
-    _, data = build_batches(cfg.data, 0, 8, 4, 0, 1, is_main=True)
+    _, data = build_batches(cfg.data, cfg.train, 0, 1, is_main=True)
     batch = data.fixed_batch(4)
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids).logits

@@ -46,8 +46,8 @@ def fires(kind: str, step: int, run_dir: str) -> bool:
     return True
 
 
-def stop_rules_init(self, cfg, start_step, device, _original=StopRules.__init__) -> None:
-    _original(self, cfg, start_step, device)
+def stop_rules_init(self, cfg, start_step, *args, _original=StopRules.__init__) -> None:
+    _original(self, cfg, start_step, *args)
     RUN.update(dir=cfg.checkpoint.dir, step=start_step + 1)
 
 

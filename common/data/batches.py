@@ -94,25 +94,30 @@ def _pack(token_lists: list[list[int]], eos_id: int, seq_len: int, pack: bool) -
     return rows
 
 
-def _tokenize(cfg: DataConfig, files: list[str] | None) -> np.ndarray:
-    if cfg.dataset == "embedded":
-        documents = embedded_documents(cfg.embedded_max_bytes)
-    else:
-        ds = load_local(files, cfg.split)
-        if cfg.text_field not in ds.column_names:
-            raise ConfigError(
-                f"data.text_field is {cfg.text_field!r} but {cfg.dataset} has columns {ds.column_names}"
-            )
-        documents = list(ds[cfg.text_field])
-    tokenizer = load_tokenizer(cfg)
+def text_column(ds, cfg: DataConfig, source) -> list[str]:
+    if cfg.text_field not in ds.column_names:
+        raise ConfigError(f"data.text_field is {cfg.text_field!r} but {source} has columns {ds.column_names}")
+    return list(ds[cfg.text_field])
+
+
+def pack_documents(documents: list[str], tokenizer, cfg: DataConfig, key: str, source) -> np.ndarray:
+    """Tokenized and packed (or padded) rows; `key` and `source` name the dataset in the error."""
     ids = tokenizer(documents, add_special_tokens=False)["input_ids"]
     rows = _pack(ids, tokenizer.eos_token_id, cfg.seq_len, cfg.pack)
     if len(rows) == 0:
         raise ConfigError(
-            f"data.dataset {cfg.dataset!r} yields no sample of data.seq_len={cfg.seq_len} tokens; "
+            f"{key} {source!r} yields no sample of data.seq_len={cfg.seq_len} tokens; "
             f"lower data.seq_len or add data"
         )
     return rows
+
+
+def _tokenize(cfg: DataConfig, files: list[str] | None) -> np.ndarray:
+    if cfg.dataset == "embedded":
+        documents = embedded_documents(cfg.embedded_max_bytes)
+    else:
+        documents = text_column(load_local(files, cfg.split), cfg, cfg.dataset)
+    return pack_documents(documents, load_tokenizer(cfg), cfg, "data.dataset", cfg.dataset)
 
 
 def prepare_local_data(cfg: DataConfig, is_main: bool, build=None, tag: str = "") -> str:
@@ -164,7 +169,8 @@ def document_positions(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
     return index - torch.where(starts, index, 0).cummax(dim=1).values
 
 
-def _to_batch(rows: np.ndarray, positions: list[int], pad_id: int, document_eos: int | None) -> Batch:
+def to_batch(rows: np.ndarray, positions: list[int], pad_id: int, document_eos: int | None) -> Batch:
+    """[N, seq_len + 1] rows as a Batch: inputs and labels shifted by one, PAD out of both."""
     rows = torch.from_numpy(rows.astype(np.int64))
     inputs, labels = rows[:, :-1].clone(), rows[:, 1:].clone()
     inputs[inputs == PAD] = pad_id
@@ -217,7 +223,7 @@ class LocalBatches:
         return self._batch(np.asarray(self.rows[:size]), [])
 
     def _batch(self, rows: np.ndarray, positions: list[int]) -> Batch:
-        return _to_batch(rows, positions, self.pad_id, self.document_eos)
+        return to_batch(rows, positions, self.pad_id, self.document_eos)
 
 
 class StreamingBatches:
@@ -288,13 +294,27 @@ class StreamingBatches:
             rows = np.array([self._next_row() for _ in range(self.micro_batch)])
             positions = list(range(self.consumed, self.consumed + self.micro_batch))
             self.consumed += self.micro_batch
-            out.append(_to_batch(rows, positions, PAD, self.document_eos))  # streamed rows hold no PAD
+            out.append(to_batch(rows, positions, PAD, self.document_eos))  # streamed rows hold no PAD
         return out
 
 
 def build_batches(
-    cfg: DataConfig, seed: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, is_main: bool
+    cfg: DataConfig, t: TrainConfig, dp_rank: int, dp_size: int, is_main: bool, vocab_size: int | None = None
 ):
+    """(tokenizer, this rank's batches of train.global_batch_size and train.micro_batch_size): packed text,
+    or SFT rows trained on the answers only. The tokenizer must fit the model's `vocab_size`, if given."""
+    from common.data import sft  # sft builds on this module
+
+    if not cfg.streaming and sft.is_sft(cfg.dataset, cfg.text_field):
+        return sft.build_sft_batches(cfg, t, dp_rank, dp_size, is_main, vocab_size)
+    tokenizer, batches = _text_batches(cfg, t, dp_rank, dp_size, is_main)
+    if vocab_size is not None:
+        check_vocab_size(len(tokenizer), vocab_size)
+    return tokenizer, batches
+
+
+def _text_batches(cfg: DataConfig, t: TrainConfig, dp_rank: int, dp_size: int, is_main: bool):
+    seed, global_batch, micro_batch = t.seed, t.global_batch_size, t.micro_batch_size
     ensure_embedded_tokenizer(cfg, is_main)
     if cfg.streaming:
         tokenizer = load_tokenizer(cfg)

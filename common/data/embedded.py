@@ -19,20 +19,30 @@ PAD_TOKEN = "<|pad|>"
 EMBEDDED_CORPUS = f"stdlib{sys.version_info[0]}.{sys.version_info[1]}-v2"  # bump when the selection changes
 
 
-def embedded_documents(max_bytes: int) -> list[str]:
+HELD_OUT_CHARACTERS = 2_000_000  # the held-out part: about this much of the files after the training slice
+
+
+def embedded_files(max_bytes: int, held_out: bool = False) -> list[tuple[str, str]]:
+    """(path, text) of the training slice, the stdlib's files in sorted order until max_bytes characters;
+    or, `held_out`, of the files after it (data.eval_dataset="embedded"), which training never reads."""
     root = sysconfig.get_paths()["stdlib"]
-    docs, total = [], 0
+    training, after, total = [], [], 0
     for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
         top = os.path.relpath(path, root).split(os.sep)[0]
         # tests and codec tables: not prose-like code
         if "site-packages" in path or "test" in top or top == "encodings":
             continue
         with open(path, encoding="utf-8", errors="replace") as f:
-            docs.append(f.read())
-        total += len(docs[-1])
-        if total >= max_bytes:
+            text = f.read()
+        (training if total < max_bytes else after).append((path, text))
+        total += len(text)
+        if total >= max_bytes + (HELD_OUT_CHARACTERS if held_out else 0):
             break
-    return docs
+    return after if held_out else training
+
+
+def embedded_documents(max_bytes: int, held_out: bool = False) -> list[str]:
+    return [text for _, text in embedded_files(max_bytes, held_out)]
 
 
 def train_embedded_tokenizer(docs: list[str], vocab_size: int, out_dir: str):

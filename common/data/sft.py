@@ -4,15 +4,18 @@ no attention mask) turns into a block-diagonal causal mask."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
 import torch
 
-from common.config import ConfigError, DataConfig, EvalConfig
+from common.config import ConfigError, DataConfig, TrainConfig
 from common.data.batches import (
+    LOCAL_FORMATS,
     Batch,
     LocalBatches,
+    check_vocab_size,
     file_fingerprint,
     load_local,
     load_tokenizer,
@@ -34,6 +37,28 @@ def arithmetic_examples(split: str) -> list[dict]:
     return [
         {"prompt": f"{a}{op}{b}=", "completion": str(a + b if op == "+" else a - b)} for a, op, b in chosen
     ]
+
+
+def is_sft(source: str | list, text_field: str) -> bool:
+    """Whether `source` holds SFT records (prompt and completion, or chat messages) rather than text: the
+    built-in task, or local files or a hub dataset whose first record has those keys and no text_field."""
+    if source == ARITHMETIC:
+        return True
+    if source == "embedded":
+        return False
+    files = local_files(source)
+    if files and LOCAL_FORMATS[os.path.splitext(files[0])[1]] == "text":
+        return False
+    try:
+        if files:
+            first = next(iter(load_local(files, "train", streaming=True)), {})
+        else:
+            import datasets
+
+            first = next(iter(datasets.load_dataset(source, split="train", streaming=True)), {})
+    except Exception:  # unreadable here: the text path reports it, with its own message
+        return False
+    return text_field not in first and ("messages" in first or {"prompt", "completion"} <= set(first))
 
 
 def _read_examples(source: str | list, split: str) -> list[dict]:
@@ -130,13 +155,17 @@ def build_rows(
     return np.stack(rows) if rows else np.zeros((0, 4, seq_len), dtype=np.int32)
 
 
-def _prepare_sft(cfg: DataConfig, tokenizer, source: str | list, split: str, is_main: bool) -> str:
+def sft_rows_path(
+    cfg: DataConfig, tokenizer, source: str | list, split: str, is_main: bool, key: str = "data.dataset"
+) -> str:
+    """The cached [N, 4, seq_len] rows of build_rows for `source`; `key` names it in errors."""
+
     def build() -> np.ndarray:
         examples = [tokenize_example(tokenizer, e) for e in _read_examples(source, split)]
         rows = build_rows(examples, cfg.seq_len, cfg.pack, pad_token_id(tokenizer))
         if len(rows) == 0:
             raise ConfigError(
-                f"data.dataset {source!r} has no example with an answer token within data.seq_len="
+                f"{key} {source!r} has no example with an answer token within data.seq_len="
                 f"{cfg.seq_len}; raise data.seq_len or check the records"
             )
         return rows
@@ -146,7 +175,8 @@ def _prepare_sft(cfg: DataConfig, tokenizer, source: str | list, split: str, is_
     return prepare_local_data(cfg, is_main, build, tag=tag)
 
 
-def _to_batch(rows: np.ndarray, positions: list[int]) -> Batch:
+def sft_batch(rows: np.ndarray, positions: list[int]) -> Batch:
+    """Rows of build_rows as a Batch: input ids, labels, restarting position ids, the real-token mask."""
     rows = torch.from_numpy(np.asarray(rows).astype(np.int64))
     return Batch(rows[:, 0], rows[:, 1], positions, position_ids=rows[:, 2], token_mask=rows[:, 3].bool())
 
@@ -155,31 +185,17 @@ class SftBatches(LocalBatches):
     """Pretraining's sampler over SFT rows."""
 
     def _batch(self, rows: np.ndarray, positions: list[int]) -> Batch:
-        return _to_batch(rows, positions)
+        return sft_batch(rows, positions)
 
 
 def build_sft_batches(
-    cfg: DataConfig, seed: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, is_main: bool
+    cfg: DataConfig, t: TrainConfig, dp_rank: int, dp_size: int, is_main: bool, vocab_size: int | None = None
 ) -> tuple:
-    """(tokenizer, this rank's batches), as build_batches returns them for pretraining."""
+    """(tokenizer, this rank's batches), as build_batches returns them, from SFT records only."""
     ensure_embedded_tokenizer(cfg, is_main)
     tokenizer = load_tokenizer(cfg)
-    path = _prepare_sft(cfg, tokenizer, cfg.dataset, cfg.split, is_main)
-    return tokenizer, SftBatches(path, 0, seed, global_batch, micro_batch, dp_rank, dp_size)
-
-
-def eval_batches(
-    cfg: DataConfig, e: EvalConfig, tokenizer, dp_rank: int, dp_size: int, is_main: bool
-) -> list[Batch]:
-    """This rank's held-out rows. Each forward is a collective, so every rank gets as many batches, short
-    ones filled with unlabelled rows."""
-    if not cfg.eval_dataset:
-        return []
-    rows = np.load(_prepare_sft(cfg, tokenizer, cfg.eval_dataset, cfg.eval_split, is_main))[: e.max_sequences]
-    per_rank = -(-len(rows) // (dp_size * e.batch_size)) * e.batch_size
-    filler = rows[:1].copy()
-    filler[:, 1] = -100
-    mine = [
-        rows[i] if i < len(rows) else filler[0] for i in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-    ]
-    return [_to_batch(np.stack(mine[i : i + e.batch_size]), []) for i in range(0, per_rank, e.batch_size)]
+    if vocab_size is not None:
+        check_vocab_size(len(tokenizer), vocab_size)
+    path = sft_rows_path(cfg, tokenizer, cfg.dataset, cfg.split, is_main)
+    batches = SftBatches(path, 0, t.seed, t.global_batch_size, t.micro_batch_size, dp_rank, dp_size)
+    return tokenizer, batches

@@ -106,6 +106,9 @@ class MetricsLogger:
         self.file.flush()
         if "step" not in record or "event" in record:
             print(event_line(record), flush=True)
+            if record.get("event") == "eval" and self.tb is not None:  # beside training's loss curve
+                for key in ("eval_loss", "perplexity", "accuracy"):
+                    self.tb.add_scalar(f"eval/{key}", record[key], record["step"])
             return
         parts = [f"step {record['step']}"]
         parts += [
@@ -239,6 +242,11 @@ class StepLog:
         if step < self.last_step:
             self.diagnostics.before(step + 1)
 
+    def log_eval(self, step: int, scores: dict) -> float:
+        """An evaluation of the held-out set after `step` (0: before training); returns its eval_loss."""
+        self.logger.log({"event": "eval", "step": step, **scores})
+        return scores["eval_loss"]
+
 
 def sharded_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Bytes this rank holds for parameters and optimizer state (gradients, if any, match parameters)."""
@@ -254,9 +262,14 @@ def sharded_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     }
 
 
-def final_record(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict:
+def final_record(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, fixed_batch_loss=None
+) -> dict:
+    """After training: the state bytes and training's peak memory of every rank, and the loss on a fixed
+    batch that the export must reproduce (None: not measured, e.g. on a stream)."""
     return {
         "event": "final",
+        "fixed_batch_loss": fixed_batch_loss,
         "state_bytes_per_rank": gather(sharded_state_bytes(model, optimizer)),
         "peak_mem_gib_per_rank": gather(peak_memory_bytes(device) / GIB),
     }

@@ -16,7 +16,10 @@ from common.config import ConfigError
 def find_resume_checkpoint(run_dir: str, resume: str) -> str | None:
     """`auto`: this run's newest complete checkpoint, if any; `none`: None; else the given path. Rank 0
     decides and every rank takes its choice: ranks listing the directory themselves could disagree (a
-    network filesystem's stale view on one node) and load different steps."""
+    network filesystem's stale view on one node) and load different steps. First, every rank must see
+    what rank 0 writes there: a node-local run directory could never be resumed."""
+    if dist.is_initialized():
+        check_shared_storage(run_dir)
     choice: list = [None, None]  # the path, or the error that stops every rank
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:

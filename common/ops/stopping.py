@@ -1,5 +1,6 @@
 """When a run stops before its last step: a non-finite loss or gradient norm (an error, nothing saved),
-preemption (SIGUSR1 or the preemption file), or train.stop_after (both checkpointed by the loop)."""
+preemption (SIGUSR1 or the preemption file) or train.stop_after (both checkpointed by the loop), or early
+stopping on the held-out loss (checkpointed and exported); and which evaluated step is the best."""
 
 from __future__ import annotations
 
@@ -45,11 +46,36 @@ class StopRules:
     same on every rank; a stop for a bad step, or a checkpoint that could not be written, leaves the loop
     as one line (SystemExit) that names the step."""
 
-    def __init__(self, cfg: Config, start_step: int, device: torch.device):
+    def __init__(self, cfg: Config, start_step: int, device: torch.device, resumed: dict | None = None):
+        """`resumed`: the train_state of the checkpoint this run resumed from, which holds the best step
+        and the patience spent so far."""
         self.stop_after, self.last_step = cfg.train.stop_after, cfg.train.steps
+        self.patience, self.threshold = cfg.eval.early_stopping_patience, cfg.eval.early_stopping_threshold
         self.start_step, self.device = start_step, device
         self.preemption = PreemptionWatch()
         self.step = start_step + 1  # the step being trained
+        saved = (resumed or {}).get("best", {})
+        self.best_step, self.best_eval_loss = saved.get("step"), saved.get("eval_loss")
+        self.evals_without_improvement = saved.get("evals_without_improvement", 0)
+
+    def state_dict(self) -> dict:
+        """For train_state.json: the best step (which keep_latest never prunes) and the patience spent."""
+        best = dict(step=self.best_step, eval_loss=self.best_eval_loss)
+        return {"best": {**best, "evals_without_improvement": self.evals_without_improvement}}
+
+    def after_eval(self, step: int, eval_loss: float) -> str | None:
+        """Track the best step; "early stopping" once eval.early_stopping_patience evaluations in a row
+        fell by no more than eval.early_stopping_threshold. The evaluation before training (step 0) is a
+        baseline: it counts for neither, as in the Trainer."""
+        if step == 0:
+            return None
+        improved = self.best_eval_loss is None or self.best_eval_loss - eval_loss > self.threshold
+        self.evals_without_improvement = 0 if improved else self.evals_without_improvement + 1
+        if self.best_eval_loss is None or eval_loss < self.best_eval_loss:
+            self.best_step, self.best_eval_loss = step, eval_loss
+        if self.patience and self.evals_without_improvement >= self.patience and step < self.last_step:
+            return "early stopping"
+        return None
 
     def after_step(self, step: int, loss: float) -> str | None:
         """None to go on, or why the run stops after this step, short of the last one: "preempted" or

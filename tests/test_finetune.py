@@ -1,0 +1,256 @@
+"""Fine-tuning like the Trainer: evaluation during training that scripts/eval_cp.py reproduces (also under CP,
+document masks and EP), a held-out set that is held out, the best model exported, early stopping that
+survives a restart, and dense SFT on answer tokens only."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.config import DataConfig
+from common.data.batches import load_tokenizer
+from common.data.embedded import embedded_files
+from common.data.sft import SftBatches, sft_rows_path
+from common.ops.config_sources import load_config
+from launch import REPO, TINY, event, losses, pretrain, read_metrics, run, steps, write_short_documents
+
+MOE = os.path.join(REPO, "configs", "debug_moe.json")
+SFT = os.path.join(REPO, "configs", "debug_sft.json")
+HELD_OUT = ["data.eval_dataset=embedded", "eval.max_sequences=6", "eval.batch_size=2"]
+EVALUATED = [
+    "train.steps=4",
+    "eval.interval=2",
+    "checkpoint.interval=2",
+    "checkpoint.keep_latest=3",
+    *HELD_OUT,
+]
+
+
+def evals(records: list[dict]) -> dict[int, dict]:
+    return {r["step"]: r for r in records if r.get("event") == "eval"}
+
+
+def eval_cp(model_dir, out_dir, *overrides, config=TINY) -> dict:
+    """scripts/eval_cp.py at cp 1 on one process, with the training run's data.* and eval.* values."""
+    args = [
+        "--config",
+        config,
+        f"model.name_or_path={model_dir}",
+        "model.config={}",
+        f"checkpoint.dir={out_dir}",
+    ]
+    run("eval_cp.py", [*args, *overrides], nproc=0)
+    with open(os.path.join(out_dir, "eval_results.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory):
+    """Short documents, so packed rows hold several and a document mask matters: training and held-out."""
+    root = tmp_path_factory.mktemp("documents")
+    return write_short_documents(root / "train.jsonl"), write_short_documents(root / "held_out.jsonl", seed=1)
+
+
+@pytest.mark.parametrize(
+    "nproc,overrides",
+    [
+        (0, []),
+        (2, []),
+        (4, ["parallelism.cp_size=2"]),
+        (2, ["parallelism.cp_size=2", "data.document_mask=true"]),
+    ],
+    ids=["1rank", "2ranks", "dp2xcp2", "cp2-document-mask"],
+)
+def test_the_eval_loss_logged_in_training_is_what_eval_cp_measures(tmp_path, documents, nproc, overrides):
+    data = list(HELD_OUT)
+    if "data.document_mask=true" in overrides:
+        data = [f"data.dataset={documents[0]}", f"data.eval_dataset={documents[1]}", *data[1:]]
+        data.append("data.document_mask=true")
+    records = pretrain(tmp_path, *EVALUATED, *data, *overrides, nproc=nproc)
+    logged = evals(records)
+    assert sorted(logged) == [0, 2, 4]  # before training, every eval.interval steps, the last step
+    assert logged[4]["eval_loss"] < logged[0]["eval_loss"]
+    for step in (2, 4):
+        measured = eval_cp(tmp_path / "checkpoints" / f"step-{step}", tmp_path / f"eval{step}", *data)
+        assert measured["tokens"] == logged[step]["tokens"]  # counted once, whatever the cp size
+        assert measured["eval_loss"] == pytest.approx(logged[step]["eval_loss"], abs=1e-5)
+
+
+def test_evaluating_changes_nothing_in_training(tmp_path):
+    plain = pretrain(tmp_path / "plain", "train.steps=4", "checkpoint.export=false")
+    evaluated = pretrain(
+        tmp_path / "eval", "train.steps=4", "eval.interval=1", *HELD_OUT, "checkpoint.export=false"
+    )
+    assert len(evals(evaluated)) == 5
+    assert losses(evaluated) == losses(plain)  # exactly
+    assert [r["grad_norm"] for r in steps(evaluated)] == [r["grad_norm"] for r in steps(plain)]
+
+
+def test_the_moe_recipe_logs_what_eval_cp_measures_at_ep_2(tmp_path):
+    overrides = ["train.steps=4", "eval.interval=2", "eval.max_sequences=8", "parallelism.ep_size=2"]
+    run("finetune_moe_ep_fsdp.py", ["--config", MOE, f"checkpoint.dir={tmp_path}", *overrides], nproc=2)
+    logged = evals(read_metrics(tmp_path))
+    assert sorted(logged) == [0, 2, 4]
+    measured = eval_cp(
+        tmp_path / "checkpoints" / "step-4", tmp_path / "eval", "eval.max_sequences=8", config=MOE
+    )
+    assert measured["tokens"] == logged[4]["tokens"]
+    assert measured["eval_loss"] == pytest.approx(logged[4]["eval_loss"], abs=1e-5)
+
+
+def test_the_embedded_held_out_set_is_never_in_the_training_slice():
+    cfg = load_config(TINY)
+    training = {path for path, _ in embedded_files(cfg.data.embedded_max_bytes)}
+    held_out = {path for path, _ in embedded_files(cfg.data.embedded_max_bytes, held_out=True)}
+    assert training and held_out and not training & held_out
+    assert len(held_out) > 20  # enough files for eval.max_sequences rows at the shipped sizes
+
+
+# Early stopping: a run whose held-out loss must rise. It learns a small set of word salad fast, at a high
+# learning rate, and is evaluated on Python source (the embedded held-out files).
+RISING = [
+    "train.steps=40",
+    "train.lr=0.01",
+    "train.warmup_steps=0",
+    "eval.interval=2",
+    "checkpoint.interval=2",
+    "checkpoint.keep_latest=1",
+    "checkpoint.load_best_model_at_end=true",
+    "eval.early_stopping_patience=3",
+    *HELD_OUT,
+]
+
+
+@pytest.fixture(scope="module")
+def early_stopped(tmp_path_factory, documents):
+    run_dir = tmp_path_factory.mktemp("early_stopped")
+    return run_dir, pretrain(run_dir, *RISING, f"data.dataset={documents[0]}")
+
+
+def predicted_stop(losses_by_step: dict[int, float], patience: int) -> tuple[int, int]:
+    """(the step early stopping stops at, the best step), by the Trainer's rule with threshold 0."""
+    best, best_step, without = None, None, 0
+    for step, loss in sorted(losses_by_step.items()):
+        if step == 0:
+            continue
+        without = 0 if best is None or loss < best else without + 1
+        if best is None or loss < best:
+            best, best_step = loss, step
+        if without >= patience:
+            return step, best_step
+    raise AssertionError(f"the held-out loss never stopped improving: {losses_by_step}")
+
+
+def test_early_stopping_stops_where_patience_says_and_exports_the_best_step(tmp_path, early_stopped):
+    run_dir, records = early_stopped
+    logged = {step: r["eval_loss"] for step, r in evals(records).items()}
+    stop_step, best_step = predicted_stop(logged, patience=3)
+    stopped = event(records, "stopped")
+    assert (stopped["step"], stopped["reason"]) == (stop_step, "early stopping")
+    assert stopped["best"]["step"] == best_step and best_step < stop_step
+    assert steps(records)[-1]["step"] == stop_step
+    # keep_latest=1 keeps the newest checkpoint and the best one.
+    assert sorted(os.listdir(run_dir / "checkpoints")) == [f"step-{best_step}", f"step-{stop_step}"]
+    with open(run_dir / "checkpoints" / f"step-{stop_step}" / "train_state.json") as f:
+        assert json.load(f)["best"] == {
+            "step": best_step,
+            "eval_loss": logged[best_step],
+            "evals_without_improvement": 3,
+        }
+    # The export holds the best step's weights, bit for bit, and scores its eval_loss.
+    exported = load_file(run_dir / "export" / "model.safetensors")
+    best = {f"model.{name}": torch.empty_like(tensor) for name, tensor in exported.items()}
+    dcp.load(best, checkpoint_id=str(run_dir / "checkpoints" / f"step-{best_step}"))
+    assert all(torch.equal(exported[name], best[f"model.{name}"]) for name in exported)
+    measured = eval_cp(run_dir / "export", tmp_path / "eval", *HELD_OUT)
+    assert measured["eval_loss"] == pytest.approx(logged[best_step], abs=1e-5)
+
+
+def test_early_stopping_killed_mid_patience_stops_at_the_same_step_with_the_same_export(
+    tmp_path, documents, early_stopped
+):
+    ref_dir, ref = early_stopped
+    stop_step = event(ref, "stopped")["step"]
+    middle = stop_step - 3  # after the best step's evaluation, with patience partly spent
+    first = pretrain(tmp_path, *RISING, f"data.dataset={documents[0]}", f"train.stop_after={middle}")
+    assert event(first, "stopped")["reason"] == "train.stop_after"
+    resumed = pretrain(tmp_path, *RISING, f"data.dataset={documents[0]}")[len(first) :]
+    assert event(resumed, "stopped")["step"] == stop_step
+    ours, theirs = (
+        load_file(tmp_path / "export" / "model.safetensors"),
+        load_file(ref_dir / "export" / "model.safetensors"),
+    )
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+
+
+SFT_SHORT = [
+    "train.steps=4",
+    "eval.interval=0",
+    "eval.early_stopping_patience=0",
+    "checkpoint.load_best_model_at_end=false",
+]
+
+
+@pytest.fixture(scope="module")
+def sft_one_process(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("sft1")
+    return run_dir, pretrain(run_dir, *SFT_SHORT, "checkpoint.export=false", nproc=0, config=SFT)
+
+
+@pytest.mark.parametrize(
+    "nproc,overrides", [(2, []), (4, ["parallelism.cp_size=2"])], ids=["2ranks", "dp2xcp2"]
+)
+def test_dense_sft_on_any_layout_equals_one_process(tmp_path, sft_one_process, nproc, overrides):
+    records = pretrain(tmp_path, *SFT_SHORT, "checkpoint.export=false", *overrides, nproc=nproc, config=SFT)
+    assert losses(records) == pytest.approx(losses(sft_one_process[1]), abs=1e-5)
+
+
+def test_dense_sft_counts_answer_tokens_only(sft_one_process):
+    """The step's token count is the answer tokens of its rows (labels -100 on prompts and padding)."""
+    _, records = sft_one_process
+    cfg = load_config(SFT)
+    path = sft_rows_path(cfg.data, load_tokenizer(cfg.data), cfg.data.dataset, cfg.data.split, is_main=True)
+    t = cfg.train
+    batches = SftBatches(path, 0, t.seed, t.global_batch_size, t.micro_batch_size, 0, 1).micro_batches(0)
+    answers = sum(int((b.labels != -100).sum()) for b in batches)
+    real = sum(int(b.token_mask.sum()) for b in batches)
+    assert steps(records)[0]["tokens"] == answers < real  # prompts are real tokens but no targets
+    rows = np.load(path)
+    prompt = rows[0, 1][rows[0, 3] == 1]
+    assert (prompt == -100).any() and (prompt != -100).any()
+
+
+def test_debug_sft_config_learns_the_held_out_task_and_exports_a_chat_model(tmp_path):
+    """The shipped config, fine-tuning with a chat template: the held-out loss falls below half its
+    step-0 value, and the export keeps the template and answers a held-out prompt with generate()."""
+    template_dir = tmp_path / "tokenizer"
+    tokenizer = load_tokenizer(DataConfig())
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% if m['role'] == 'assistant' %}"
+        "{{ eos_token }}{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    tokenizer.save_pretrained(template_dir)
+    run(
+        "pretrain_fsdp.py",
+        ["--config", SFT, f"checkpoint.dir={tmp_path / 'run'}", f"data.tokenizer={template_dir}"],
+        nproc=2,
+        timeout=600,
+    )
+    logged = {step: r["eval_loss"] for step, r in evals(read_metrics(tmp_path / "run")).items()}
+    assert min(loss for step, loss in logged.items() if step) < 0.5 * logged[0], logged
+    export = tmp_path / "run" / "export"
+    exported = AutoTokenizer.from_pretrained(export)
+    assert exported.chat_template == tokenizer.chat_template
+    model = AutoModelForCausalLM.from_pretrained(export)
+    prompt = exported.apply_chat_template(
+        [{"role": "user", "content": "12+5="}], add_generation_prompt=True, return_tensors="pt"
+    )
+    ids = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
+    answer = model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1] :]
+    text = exported.decode(answer, skip_special_tokens=True).strip()
+    assert text and text.isdigit(), text

@@ -178,13 +178,21 @@ class CommCounter:
 
     @contextlib.contextmanager
     def patch(self):
-        originals = dist.all_gather_single, dist.reduce_scatter_single
-        dist.all_gather_single = self._counted("all_gather", originals[0])
-        dist.reduce_scatter_single = self._counted("reduce_scatter", originals[1])
+        # FSDP calls all_gather_single and reduce_scatter_single on torch 2.13, the older names on 2.11.
+        new = hasattr(dist, "all_gather_single")
+        names = (
+            ("all_gather_single", "reduce_scatter_single")
+            if new
+            else ("all_gather_into_tensor", "reduce_scatter_tensor")
+        )
+        originals = [getattr(dist, name) for name in names]
+        for name, kind, original in zip(names, ("all_gather", "reduce_scatter"), originals):
+            setattr(dist, name, self._counted(kind, original))
         try:
             yield self
         finally:
-            dist.all_gather_single, dist.reduce_scatter_single = originals
+            for name, original in zip(names, originals):
+                setattr(dist, name, original)
 
 
 class StepLog:

@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -27,6 +28,11 @@ from common.mesh import gather
 from common.weights import move_into_place, save_config
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+# What a checkpoint holds of the model: every weight that trains. A frozen base (LoRA) comes back from
+# model.name_or_path, so a LoRA checkpoint holds the adapters alone.
+TRAINED = StateDictOptions(ignore_frozen_params=True)
+# Loading leaves the frozen weights alone; every trained one is checked against the checkpoint first.
+INTO_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
 TRAIN_STATE = "train_state.json"
 WRITER_THREADS = 4
 FULL_BELOW_BYTES = 2**20  # free space under which a failed write counts as a full disk
@@ -60,7 +66,11 @@ def tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer, key: str) -
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
-    state = {"model": get_model_state_dict(model), "optim": optim["state"], "rng": {key: rng}}
+    state = {
+        "model": get_model_state_dict(model, options=TRAINED),
+        "optim": optim["state"],
+        "rng": {key: rng},
+    }
     return state, optim["param_groups"]
 
 
@@ -189,7 +199,7 @@ def load_checkpoint(
     """Restore model, optimizer, scheduler, RNG and (given `data`) the data's own state in place, DCP
     resharding to this world size; returns train_state."""
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    for name, param in get_model_state_dict(model).items():  # another model's fails here, not deep in DCP
+    for name, param in get_model_state_dict(model, options=TRAINED).items():  # another model's fails here
         entry, here = saved.get(f"model.{name}"), list(param.shape)
         there = list(entry.size) if hasattr(entry, "size") else None
         if there != here:
@@ -200,13 +210,20 @@ def load_checkpoint(
     key = rng_key(saved)
     state, param_groups = tensor_state(model, optimizer, key)
     dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=INTO_TRAINED)
     set_optimizer_state_dict(model, optimizer, {"state": state["optim"], "param_groups": param_groups})
     rng = state["rng"][key]
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
     return restore_train_state(path, optimizer, scheduler, data)
+
+
+def load_trained_weights(path: str, model: nn.Module) -> None:
+    """The model weights a training checkpoint holds (the best step's, at the end of a run), nothing else."""
+    state = {"model": get_model_state_dict(model, options=TRAINED)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"], options=INTO_TRAINED)
 
 
 def restore_train_state(path: str, optimizer: torch.optim.Optimizer, scheduler, data=None) -> dict:

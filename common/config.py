@@ -4,6 +4,7 @@ and checking each value's type is common/ops/config_sources.py."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Literal
@@ -26,8 +27,8 @@ class DataConfig:
     # "embedded", local files (json/jsonl/parquet/txt), or a hub dataset name. Records with prompt and
     # completion, or chat messages, and the built-in "arithmetic" task train on the answers only (SFT).
     dataset: str | list = "embedded"
-    # The held-out set for eval.interval and scripts/eval_cp.py, in the same forms; "embedded": the corpus's
-    # files after the training slice. None: eval_cp.py evaluates the first rows of data.dataset.
+    # The held-out set of every evaluation, in the same forms; "embedded": the corpus's files after the
+    # training slice. None: an evaluation of a checkpoint scores the first rows of data.dataset.
     eval_dataset: str | list | None = None
     eval_split: str = "test"  # its split, for a hub dataset
     dataset_config: str | None = None
@@ -146,6 +147,23 @@ class EvalConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (PEFT's), trained while the base stays frozen: PEFT's r, lora_alpha, lora_dropout and
+    target_modules. r = 0: off, every weight trains."""
+
+    r: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list | str = "all-linear"  # every linear layer of the decoder (not the output layer)
+    base_dtype: Literal["auto", "bfloat16", "float32"] = (
+        "auto"  # the frozen base; auto: bf16 on CUDA, fp32 on CPU
+    )
+    merge_on_export: bool = (
+        False  # export the merged model (a plain Transformers directory), not the adapters
+    )
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -155,6 +173,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "no": "float32", "fp16": "float16"}
@@ -248,6 +267,12 @@ def validate(cfg: Config) -> None:
     if p.cp_size > 1 and p.sp_size > 1:
         raise ConfigError(f"parallelism.cp_size={p.cp_size} and sp_size={p.sp_size} are both > 1; pick one")
     _check_evaluation(cfg)
+    if cfg.lora.r and not cfg.model.name_or_path and os.environ.get("RANK", "0") == "0":  # once per run
+        warnings.warn(
+            "lora.r is set but model.name_or_path is not: the adapters train on a randomly initialised, "
+            "frozen base, which is almost never what you want; set model.name_or_path to a pretrained model",
+            stacklevel=2,
+        )
 
 
 def _check_evaluation(cfg: Config) -> None:

@@ -1,6 +1,6 @@
 """Held-out evaluation: the token-weighted loss, perplexity and next-token accuracy over every rank's share of
-the held-out rows. The same code scores a checkpoint in scripts/eval_cp.py and the model during training, so
-their numbers agree. Under context parallelism each cp rank scores its positions of every sequence, and the
+the held-out rows. The same code scores a saved checkpoint and the model during training, so their numbers
+agree. Under context parallelism each cp rank scores its positions of every sequence, and the
 tokens are counted on the full rows, before sharding."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def evaluate(
 ) -> dict:
     """{eval_loss, perplexity, accuracy, tokens} over every rank's `batches` (common/data/held_out.py).
     `replicas`: ranks that score the same rows and positions (tensor-parallel peers), counted once;
-    `attention`: "torch_cp" runs torch's ring attention (eval_cp.py on CUDA)."""
+    `attention`: "torch_cp" runs torch's ring attention (CUDA)."""
     hidden = {}  # the decoder's output: the head runs chunk by chunk in head_loss, never on all tokens
     hook = model.get_decoder().register_forward_hook(
         lambda module, args, out: hidden.update(last=out.last_hidden_state)

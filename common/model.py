@@ -45,6 +45,13 @@ def _read_model_config(cfg: ModelConfig) -> PretrainedConfig:
             raise ConfigError(
                 f"model.config is not a valid {cfg.config.get('model_type', 'llama')} config: {e}"
             ) from None
+    if os.path.basename(os.path.normpath(cfg.name_or_path)) == "export" and not os.path.isdir(
+        cfg.name_or_path
+    ):
+        raise ConfigError(
+            f"model.name_or_path {cfg.name_or_path!r} does not exist: it is the export of a run not trained "
+            f"here yet, so run that first (runs/debug_llama/export: the quickstart command in README.md)"
+        )
     try:
         return AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
@@ -83,7 +90,7 @@ def init_weights(model: nn.Module, seed: int, std: float) -> None:
         for param_name, param in module.named_parameters(recurse=False):
             # The checkpoint-format name, without AC/compile wrapper prefixes, so AC does not change the init.
             name = f"{module_name}.{param_name}".lstrip(".").replace(_CHECKPOINT_PREFIX, "")
-            name = name.replace("_orig_mod.", "")
+            name = name.replace("_orig_mod.", "").replace(".base_layer", "")  # LoRA: the base weight's name
             local = param.to_local() if isinstance(param, DTensor) else param
             generator = torch.Generator(device=local.device).manual_seed(seed ^ zlib.crc32(name.encode()))
             full = torch.empty(param.shape, dtype=torch.float32, device=local.device)

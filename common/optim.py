@@ -27,9 +27,11 @@ def lr_multiplier(step: int, cfg: Config) -> float:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
-    # No weight decay on norms and biases (1-D), as in Llama and torchtitan.
-    decay = {"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": cfg.train.weight_decay}
-    no_decay = {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}
+    # No weight decay on norms and biases (1-D), as in Llama and torchtitan. Frozen weights (a LoRA base)
+    # get no optimizer state.
+    trained = [p for p in model.parameters() if p.requires_grad]
+    decay = {"params": [p for p in trained if p.ndim >= 2], "weight_decay": cfg.train.weight_decay}
+    no_decay = {"params": [p for p in trained if p.ndim < 2], "weight_decay": 0.0}
     # Fused AdamW is the faster one where it exists (docs/performance.md); XLA has only foreach.
     fused = device.type in ("cuda", "cpu")
     return torch.optim.AdamW(

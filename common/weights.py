@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import AutoModelForCausalLM
 
+from common import lora
 from common.config import Config, resolve_mixed_precision
 from common.model import init_weights
 
@@ -39,19 +40,27 @@ def move_into_place(tmp: str, final: str) -> None:
 def load_hf_weights(
     model: nn.Module, path: str, broadcast_from_rank0: bool, trust_remote_code: bool = False
 ) -> None:
-    """Fill a sharded model from an HF checkpoint; with broadcast_from_rank0 only rank 0 reads the files."""
+    """Fill a sharded model from an HF checkpoint; with broadcast_from_rank0 only rank 0 reads the files.
+    With LoRA adapters the checkpoint fills the base, under PEFT's names, and the adapters are left as they
+    are (common/lora.py initialises them)."""
     full = {}
     if dist.get_rank() == 0 or not broadcast_from_rank0:
         # from_pretrained applies the model's own key renames and weight conversions.
         full = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, trust_remote_code=trust_remote_code
         ).state_dict()
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0)
+        ours = {lora.base_name(name): name for name in get_model_state_dict(model)}
+        full = {ours.get(name, name): tensor for name, tensor in full.items()}
+    adapters = lora.has_adapters(model)
+    options = StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0, strict=not adapters
+    )
     set_model_state_dict(model, full, options=options)
 
 
 def load_or_init_weights(model: nn.Module, cfg: Config, init_std: float) -> None:
-    """A new run's weights: a SHARDED export, an HF checkpoint, or a world-size-independent init."""
+    """A new run's weights: a SHARDED export, an HF checkpoint, or a world-size-independent init; then,
+    with LoRA, the adapters' initialisation."""
     source = cfg.model.name_or_path
     if source and is_sharded_export(source):
         load_sharded_export(model, source)
@@ -59,14 +68,18 @@ def load_or_init_weights(model: nn.Module, cfg: Config, init_std: float) -> None
         load_hf_weights(model, source, cfg.fsdp.cpu_ram_efficient_loading, cfg.model.trust_remote_code)
     else:
         init_weights(model, cfg.train.seed, init_std)
+    if lora.has_adapters(model):
+        lora.init_adapters(model, cfg.train.seed)
 
 
 def export_final(model: nn.Module, cfg: Config, tokenizer, device_type: str) -> str:
     """`<checkpoint.dir>/export`, per fsdp.state_dict_type; returns the path."""
     export_dir = os.path.join(cfg.checkpoint.dir, "export")
     prepare_for_generation(model, tokenizer, from_scratch=not cfg.model.name_or_path)
-    if cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
-        dtype = getattr(torch, resolve_mixed_precision(cfg.fsdp, device_type)["param_dtype"])
+    dtype = getattr(torch, resolve_mixed_precision(cfg.fsdp, device_type)["param_dtype"])
+    if lora.has_adapters(model):  # small: gathered to rank 0 whatever state_dict_type says
+        export_lora(model, cfg, export_dir, tokenizer, dtype)
+    elif cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
         export_full(model, export_dir, tokenizer, dtype)
     else:
         export_sharded(model, export_dir, tokenizer)
@@ -94,12 +107,39 @@ def export_full(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype) -
     dist.barrier()
 
 
+def export_lora(model: nn.Module, cfg: Config, out_dir: str, tokenizer, dtype: torch.dtype) -> None:
+    """PEFT's adapter directory (fp32 adapters), or with lora.merge_on_export the merged model, each with the
+    tokenizer and generation config. The adapters are gathered from every rank's shards (accelerate#4206
+    lost all but rank 0's on a FULL_STATE_DICT resume)."""
+    merge = cfg.lora.merge_on_export
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=not merge)
+    full = get_model_state_dict(model, options=options)
+    if dist.get_rank() == 0:
+        tmp = f"{out_dir}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        if merge:
+            write_hf_directory(
+                model, tmp, {k: v.to(dtype) for k, v in lora.merged(full, cfg.lora).items()}, tokenizer, dtype
+            )
+        else:
+            os.makedirs(tmp)
+            lora.write_adapters(model, full, cfg.lora, cfg.model.name_or_path, tmp)
+            save_config(tmp, model.generation_config, tokenizer)
+            plain_modes(tmp)
+        move_into_place(tmp, out_dir)
+    dist.barrier()
+
+
 def write_hf_directory(model: nn.Module, out_dir: str, state: dict, tokenizer, dtype: torch.dtype) -> None:
     model.save_pretrained(out_dir, state_dict=state)
     # save_pretrained records the dtype of the model's own (fp32 master) parameters, not of `state`.
     model.config.dtype = dtype
     save_config(out_dir, model.config, tokenizer)
-    # safetensors arrive 0600, the rest 0644: give all the mode a plain open() would.
+    plain_modes(out_dir)
+
+
+def plain_modes(out_dir: str) -> None:
+    """safetensors arrive 0600, the rest 0644: give all the mode a plain open() would."""
     umask = os.umask(0)
     os.umask(umask)
     for name in os.listdir(out_dir):
@@ -123,6 +163,8 @@ def is_sharded_export(path: str) -> bool:
 
 
 def load_sharded_export(model: nn.Module, path: str) -> None:
-    state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
+    """The model's weights from a DCP directory (a SHARDED export); with LoRA adapters, the base's."""
+    ours = {name: tensor for name, tensor in get_model_state_dict(model).items() if lora.ADAPTERS not in name}
+    state = {"model": {lora.base_name(name): tensor for name, tensor in ours.items()}}
+    dcp.load(state, checkpoint_id=path)  # in place, into the tensors of `ours`
+    set_model_state_dict(model, ours, options=StateDictOptions(strict=not lora.has_adapters(model)))

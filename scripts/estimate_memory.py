@@ -44,7 +44,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from common import cp, loss
+from common import cp, lora, loss
 from common.config import Config, ConfigError, TrainConfig
 from common.data.batches import Batch
 from common.evaluate import forward_shard, head_loss
@@ -138,6 +138,8 @@ def shard_on_meta(cfg: Config, recipe: str, world_size: int, device_type: str) -
         cfg.model.attn_implementation = cp.use_cp_attention()
     hf_config = load_model_config(cfg.model, cfg.data.seq_len)
     model = build_meta_model(hf_config, cfg.model, t.gradient_checkpointing)
+    if recipe == "pretrain" and cfg.lora.r:  # as pretrain_fsdp.py's main() does
+        lora.add_adapters(model, cfg.lora, device_type)
     loss.compute_loss_in_output_layer(model)
     params = sum(p.numel() for p in model.parameters())  # before TP and EP split them
     experts, expert_mesh, moe = [], None, None
@@ -278,14 +280,17 @@ def eval_step(model, batch, cp_state, cfg: Config) -> None:
 
 def per_rank_state_bytes(cfg: Config, recipe: str, world_size: int, device_type: str) -> list[dict]:
     """Every rank's parameter and optimizer bytes: the model sharded on `meta` as each rank would hold
-    it. AdamW keeps two states the shape of each parameter (checked on rank 0 against the real state)."""
+    it. AdamW keeps two states the shape of each trained parameter (checked on rank 0 against the real
+    state); a frozen LoRA base has none."""
     out = []
     for rank in range(world_size):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
         try:
             model = shard_on_meta(copy.deepcopy(cfg), recipe, world_size, device_type)["model"]
-            params = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
-            out.append({"param_bytes": params, "optimizer_bytes": 2 * params if recipe != "eval" else 0})
+            local = [(p.to_local(), p.requires_grad) for p in model.parameters()]
+            params = sum(t.numel() * t.element_size() for t, _ in local)
+            trained = sum(t.numel() * t.element_size() for t, trains in local if trains)
+            out.append({"param_bytes": params, "optimizer_bytes": 2 * trained if recipe != "eval" else 0})
         finally:
             dist.destroy_process_group()
     return out
@@ -356,7 +361,7 @@ def table(report: dict) -> str:
             "param / grad / optimizer bytes per rank",
             "{:,} / {:,} / {:,}".format(
                 state["param_bytes"],
-                state["param_bytes"] if report["recipe"] != "eval" else 0,
+                state["optimizer_bytes"] // 2,
                 state["optimizer_bytes"],
             ),
         ),

@@ -82,6 +82,11 @@ def check_config(cfg: Config, world_size: int) -> str:
             "eval.attention is 'torch_cp', which needs CUDA SDPA kernels (torch has no CP sharding "
             "rule for the CPU kernel); use auto or allgather"
         )
+    if cfg.lora.r:
+        raise ConfigError(
+            f"lora.r is {cfg.lora.r}, but eval_cp.py scores a model directory; train with "
+            f"lora.merge_on_export=true and evaluate that export, and set lora.r=0 here"
+        )
     if not cfg.model.name_or_path:
         raise ConfigError("model.name_or_path is empty; name the HF directory or export to evaluate")
     if cfg.data.streaming:

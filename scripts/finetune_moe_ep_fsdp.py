@@ -26,7 +26,13 @@ import torch
 import torch.distributed as dist
 
 from common import loss
-from common.checkpoint import checkpoints_dir, load_checkpoint, save_checkpoint, train_state
+from common.checkpoint import (
+    checkpoints_dir,
+    load_checkpoint,
+    load_trained_weights,
+    save_checkpoint,
+    train_state,
+)
 from common.config import Config, ConfigError, TrainConfig
 from common.data.batches import Batch, check_batch_sizes
 from common.data.held_out import held_out_batches
@@ -47,12 +53,12 @@ from common.moe import (
 )
 from common.ops.async_save import BackgroundSaves
 from common.ops.cli import parse_args, run_cli
-from common.ops.metrics import MetricsLogger, StepLog, final_record, model_ready_record
+from common.ops.metrics import MetricsLogger, StepLog, checkpoint_record, final_record, model_ready_record
 from common.ops.profiling import prepare_diagnostics
 from common.ops.run_dir import find_resume_checkpoint
 from common.ops.stopping import StopRules
 from common.optim import build_optimizer, clip_grad_norm_, lr_multiplier
-from common.weights import export_final, load_or_init_weights, load_sharded_export
+from common.weights import export_final, load_or_init_weights
 from common.wrap import apply_fsdp, resolve_layer_classes
 
 
@@ -172,6 +178,12 @@ def check_config(cfg: Config, world_size: int, model) -> tuple[MoeSizes, int, Ca
             "train.compile is true but EP's all-to-all reads split sizes on the host every layer, "
             "which breaks compiled graphs; set train.compile=false"
         )
+    if cfg.lora.r:
+        raise ConfigError(
+            f"lora.r is {cfg.lora.r} but finetune_moe_ep_fsdp.py does not train adapters: PEFT's layers "
+            f"would sit between Transformers' TP/EP plans and the modules they shard; set lora.r=0 (dense "
+            f"models: scripts/pretrain_fsdp.py)"
+        )
     if cfg.data.dataset == "embedded":
         raise ConfigError("data.dataset is 'embedded' (pretraining text); give SFT JSONL or 'arithmetic'")
     if cfg.fsdp.xla:
@@ -270,14 +282,14 @@ def main(argv: list[str] | None = None) -> None:
                     background.start(c.dir, step, model, optimizer, state, c.keep_latest, tokenizer)
                 else:
                     path = save_checkpoint(c.dir, step, model, optimizer, state, c.keep_latest, tokenizer)
-                    logger.log({"event": "checkpoint", "step": step, "path": path})
+                    logger.log(checkpoint_record(step, path))
             if stopping:
                 logger.log({"event": "stopped", "step": step, "reason": stopping, **stop.state_dict()})
                 break
 
     if stopping in (None, "early stopping"):
         if c.load_best_model_at_end:  # the weights of the step with the lowest eval_loss
-            load_sharded_export(model, os.path.join(checkpoints_dir(c.dir), f"step-{stop.best_step}"))
+            load_trained_weights(os.path.join(checkpoints_dir(c.dir), f"step-{stop.best_step}"), model)
         fixed_loss = fixed_batch_loss(model, data, loss_fn, device, t.micro_batch_size)
         logger.log({**final_record(model, optimizer, device, fixed_loss), "step": t.steps})
         if c.export:

@@ -18,19 +18,26 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch
 import torch.distributed as dist
 
-from common import cp, loss
-from common.checkpoint import checkpoints_dir, load_checkpoint, save_checkpoint, train_state
+from common import cp, lora, loss
+from common.checkpoint import (
+    checkpoints_dir,
+    load_checkpoint,
+    load_trained_weights,
+    save_checkpoint,
+    train_state,
+)
 from common.config import Config, ConfigError, TrainConfig
 from common.data.batches import Batch, build_batches, check_batch_sizes
 from common.data.held_out import held_out_batches
 from common.evaluate import evaluate
-from common.mesh import build_dp_mesh, init_distributed, resolve_dp_sizes
+from common.mesh import build_dp_mesh, init_distributed, resolve_device, resolve_dp_sizes
 from common.model import build_meta_model, init_buffers, load_model_config
 from common.ops.async_save import BackgroundSaves
 from common.ops.cli import parse_args, run_cli
 from common.ops.metrics import (
     MetricsLogger,
     StepLog,
+    checkpoint_record,
     final_record,
     flops_per_token,
     model_ready_record,
@@ -39,7 +46,7 @@ from common.ops.profiling import prepare_diagnostics
 from common.ops.run_dir import find_resume_checkpoint
 from common.ops.stopping import StopRules
 from common.optim import build_optimizer, clip_grad_norm_, lr_multiplier
-from common.weights import export_final, load_or_init_weights, load_sharded_export
+from common.weights import export_final, load_or_init_weights
 from common.wrap import apply_fsdp, resolve_layer_classes
 
 
@@ -142,6 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     cp.check_cp(seq_len, cp_size, True, hf_config)
     model = build_meta_model(hf_config, cfg.model, t.gradient_checkpointing)  # on `meta`: no memory yet
     resolve_layer_classes(model, cfg.fsdp)  # a bad class name fails before any process group exists
+    if cfg.lora.r:  # PEFT's adapters, on `meta`; the base is frozen: no gradient, no optimizer state
+        lora.add_adapters(model, cfg.lora, resolve_device(t.device).type)
     loss.compute_loss_in_output_layer(model)  # train.loss_chunk_tokens: no full-vocabulary logits
 
     # Process group and mesh: 1-D FSDP, or 2-D (dp_replicate, dp_shard) HSDP; with CP, FSDP shards over
@@ -165,11 +174,11 @@ def main(argv: list[str] | None = None) -> None:
     init_buffers(model, device)
     optimizer = build_optimizer(model, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
-    state = {}  # the train_state of the checkpoint this run resumes from
-    if resume_from:  # weights, optimizer, scheduler, RNG and data position, resharded to this world size
-        state = load_checkpoint(resume_from, model, optimizer, scheduler, data)
-    else:
+    if not resume_from or cfg.lora.r:  # a LoRA checkpoint holds the adapters; the base comes from here
         load_or_init_weights(model, cfg, hf_config.initializer_range)
+    state = {}  # the train_state of the checkpoint resumed from: trained weights, optimizer, scheduler, RNG,
+    if resume_from:  # data position, resharded to this world size
+        state = load_checkpoint(resume_from, model, optimizer, scheduler, data)
     start_step, samples = state.get("step", 0), state.get("samples", 0)  # samples: the data position
 
     logger = MetricsLogger(cfg, d.is_main)
@@ -195,14 +204,14 @@ def main(argv: list[str] | None = None) -> None:
                     background.start(c.dir, step, model, optimizer, state, c.keep_latest, tokenizer)
                 else:
                     path = save_checkpoint(c.dir, step, model, optimizer, state, c.keep_latest, tokenizer)
-                    logger.log({"event": "checkpoint", "step": step, "path": path})
+                    logger.log(checkpoint_record(step, path))
             if stopping:
                 logger.log({"event": "stopped", "step": step, "reason": stopping, **stop.state_dict()})
                 break
 
     if stopping in (None, "early stopping"):
         if c.load_best_model_at_end:  # the weights of the step with the lowest eval_loss
-            load_sharded_export(model, os.path.join(checkpoints_dir(c.dir), f"step-{stop.best_step}"))
+            load_trained_weights(os.path.join(checkpoints_dir(c.dir), f"step-{stop.best_step}"), model)
         logger.log(final_record(model, optimizer, device, fixed_batch_loss(model, data, device, cp_state, t)))
         if c.export:
             path = export_final(model, cfg, tokenizer, device.type)

@@ -39,7 +39,7 @@ from common.config import Config, ConfigError, FsdpConfig
 from common.data.batches import build_batches, check_vocab_size
 from common.model import build_meta_model, init_buffers, init_weights, load_model_config
 from common.ops.cli import parse_args, run_cli
-from common.ops.metrics import MetricsLogger, StepLog, flops_per_token
+from common.ops.metrics import MetricsLogger, StepLog, checkpoint_record, flops_per_token
 from common.ops.run_dir import find_resume_checkpoint
 from common.ops.stopping import StopRules
 from common.optim import NonFiniteGradients, build_optimizer, lr_multiplier
@@ -152,6 +152,11 @@ def check_xla_config(cfg: Config, num_devices: int) -> None:
                 f"{key} is set, which the XLA recipe does not implement (its checkpoints are written "
                 f"synchronously; torch_xla.debug.profiler traces the XLA device); remove it"
             )
+    if cfg.lora.r:
+        raise ConfigError(
+            f"lora.r is {cfg.lora.r}, but the XLA recipe does not train adapters; use "
+            f"scripts/pretrain_fsdp.py, or set lora.r=0"
+        )
     if cfg.eval.interval:
         raise ConfigError(
             f"eval.interval is {cfg.eval.interval}, but the XLA recipe does not evaluate during training; "
@@ -400,7 +405,7 @@ def main(argv: list[str] | None = None) -> None:
             if stopping or step == t.steps or (c.interval and step % c.interval == 0):
                 state = train_state(step, samples, result["loss"], scheduler, data)
                 path = save_checkpoint(c.dir, step, model, optimizer, state, c.keep_latest, tokenizer)
-                logger.log({"event": "checkpoint", "step": step, "path": path})
+                logger.log(checkpoint_record(step, path))
             if stopping:
                 logger.log({"event": "stopped", "step": step, "reason": stopping})
                 logger.close()

@@ -63,6 +63,20 @@ def test_estimate_matches_a_real_run(tmp_path, world):
     assert 0.85 <= ratio <= 1.15, f"estimate / real peak = {ratio:.3f}"
 
 
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_lora_estimate_matches_a_real_run(tmp_path, world):
+    """LoRA: the base frozen and sharded, adapters with gradients and AdamW state. The base is random here
+    (no model.name_or_path): memory does not depend on its values."""
+    lora = ["lora.r=8", "lora.alpha=16"]
+    real_peak, real_states = real_run(tmp_path, "lora", world, *lora)
+    planned = estimate(DEBUG, world, *lora, quick=True)
+    assert planned["state_bytes_per_rank"] == real_states  # exactly, rank by rank
+    assert all(0 < s["optimizer_bytes"] < s["param_bytes"] / 5 for s in real_states)  # adapters only
+    ratio = planned["peak_gib_per_rank"] * 2**30 / real_peak
+    print(f"world {world}: LoRA estimate / real peak = {ratio:.3f}")
+    assert 0.85 <= ratio <= 1.15, f"estimate / real peak = {ratio:.3f}"
+
+
 @pytest.mark.parametrize("world, ep", [(1, 1), (2, 2), (4, 4)])
 def test_moe_estimate_matches_a_real_run(tmp_path, world, ep):
     """The small MoE with expert parallelism. The real runs skip the held-out evaluation, which runs before

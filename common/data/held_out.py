@@ -1,6 +1,6 @@
-"""The held-out set: the first eval.max_sequences rows of data.eval_dataset, unshuffled (scripts/eval_cp.py
-without one: of data.dataset), and each data-parallel rank's batches of them. Evaluation during training and
-eval_cp.py read these same rows, so either can check the other's numbers."""
+"""The held-out set: the first eval.max_sequences rows of data.eval_dataset, unshuffled (a checkpoint's
+evaluation without one: of data.dataset), and each data-parallel rank's batches of them. Evaluation during
+training and of a checkpoint read these same rows, so either can check the other's numbers."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def held_out_rows(cfg: DataConfig, e: EvalConfig, tokenizer, is_main: bool) -> B
         tag = f"held-out-{source}-{split}-{file_fingerprint(files) if files else ''}"
         build = lambda: pack_documents(_documents(cfg, source, split, files), tokenizer, cfg, key, source)  # noqa: E731
         path = prepare_local_data(cfg, is_main, build, tag=tag)
-    else:  # the training cache of data.dataset: eval_cp.py's rows since before data.eval_dataset existed
+    else:  # the training cache of data.dataset: what checkpoints were scored on before data.eval_dataset
         path = prepare_local_data(cfg, is_main)
     rows = np.asarray(np.load(path, mmap_mode="r")[: e.max_sequences])
     return to_batch(rows, [], pad_token_id(tokenizer), tokenizer.eos_token_id if cfg.document_mask else None)

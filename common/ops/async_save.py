@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from common.checkpoint import CheckpointNotWritten, begin_save, complete_save, rng_key, tensor_state
-from common.ops.metrics import MetricsLogger
+from common.ops.metrics import MetricsLogger, checkpoint_record
 from common.optim import NonFiniteGradients
 
 
@@ -79,7 +79,7 @@ class BackgroundSaves:
             errors.append(failed)
         path = complete_save(self.writing.final, errors, *self.writing.finish)
         step, stall = self.writing.step, self.writing.stall_s
-        self.logger.log({"event": "checkpoint", "step": step, "path": path, "stall_s": stall, "async": True})
+        self.logger.log(checkpoint_record(step, path, stall_s=stall, **{"async": True}))
         self.writing = None
 
     def __enter__(self) -> BackgroundSaves:

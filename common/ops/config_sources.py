@@ -74,6 +74,7 @@ AT_LEAST |= dict.fromkeys(
     ("train.steps", "train.warmup_steps", "train.stop_after", "train.loss_chunk_tokens"), 0
 )
 AT_LEAST |= {"checkpoint.interval": 0, "checkpoint.keep_latest": 1, "metrics.log_every": 1}
+AT_LEAST |= {"lora.r": 0, "lora.dropout": 0, "eval.max_sequences": 1, "eval.batch_size": 1}
 AT_LEAST |= {"eval.interval": 0, "eval.early_stopping_patience": 0, "eval.early_stopping_threshold": 0}
 ABOVE_ZERO = ("train.lr", "parallelism.timeout_minutes")
 

@@ -270,6 +270,12 @@ def sharded_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     }
 
 
+def checkpoint_record(step: int, path: str, **more) -> dict:
+    """A checkpoint written: its step, path and size on disk (a LoRA run's holds the adapters alone)."""
+    size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+    return {"event": "checkpoint", "step": step, "path": path, "bytes": size, **more}
+
+
 def final_record(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, fixed_batch_loss=None
 ) -> dict:
@@ -277,9 +283,9 @@ def final_record(
     batch that the export must reproduce (None: not measured, e.g. on a stream)."""
     return {
         "event": "final",
-        "fixed_batch_loss": fixed_batch_loss,
         "state_bytes_per_rank": gather(sharded_state_bytes(model, optimizer)),
         "peak_mem_gib_per_rank": gather(peak_memory_bytes(device) / GIB),
+        "fixed_batch_loss": fixed_batch_loss,
     }
 
 
@@ -289,6 +295,7 @@ def model_ready_record(
     return {
         "event": "model_ready",
         "params": sum(p.numel() for p in model.parameters()),
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "world_size": dist.get_world_size(),
         "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)),
         "device": str(device),

@@ -1,0 +1,105 @@
+"""LoRA with FSDP2. PEFT's adapters go into the model on `meta`, before fully_shard, so each FSDP unit shards
+its frozen base weights and its trainable adapters alike. Only the adapters get gradients, reduce-scatters and
+optimizer state (the frozen base has no fp32 master copy), checkpoints hold the adapters alone, and the export
+is PEFT's own adapter directory, or with lora.merge_on_export the merged model."""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import get_peft_model_state_dict, inject_adapter_in_model
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from common.config import ConfigError, LoraConfig
+
+ADAPTERS = "lora_"  # in the name of every adapter parameter (lora_A, lora_B)
+
+
+def peft_config(lora: LoraConfig, base_model: str | None = None) -> PeftLoraConfig:
+    return PeftLoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        base_model_name_or_path=base_model,
+        task_type="CAUSAL_LM",
+    )
+
+
+def add_adapters(model: nn.Module, lora: LoraConfig, device_type: str) -> None:
+    """Inject the adapters (still on `meta`: nothing is allocated), freeze the base and give it its dtype."""
+    try:
+        inject_adapter_in_model(peft_config(lora), model)
+    except ValueError:  # PEFT's NoMatchingPeftModuleError
+        linear = sorted(
+            {name.split(".")[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+        )
+        raise ConfigError(
+            f"lora.target_modules {lora.target_modules!r} match no module of this model; its linear modules "
+            f"are: {', '.join(linear)} (or use 'all-linear')"
+        ) from None
+    dtype = torch.bfloat16 if lora.base_dtype == "bfloat16" else torch.float32
+    if lora.base_dtype == "auto":
+        dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+    for param in model.parameters():
+        if not param.requires_grad:  # PEFT froze everything but the adapters
+            param.data = param.data.to(dtype)
+
+
+def base_name(name: str) -> str:
+    """A parameter's name in the base checkpoint: PEFT moves a wrapped layer's weight to base_layer."""
+    return name.replace(".base_layer", "")
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """PEFT's initialisation, the same on any world size: lora_A as nn.Linear's (Kaiming uniform), from a
+    generator seeded by (seed, name); lora_B zeros, so training starts from the base model's outputs."""
+    for name, param in model.named_parameters():
+        if ADAPTERS not in name:
+            continue
+        local = param.to_local() if isinstance(param, DTensor) else param
+        full = torch.zeros(param.shape, dtype=param.dtype, device=local.device)
+        if ".lora_A." in name:
+            generator = torch.Generator(device=local.device).manual_seed(seed ^ zlib.crc32(name.encode()))
+            bound = 1 / math.sqrt(param.shape[1])  # kaiming_uniform_(a=sqrt(5)) of a [r, in] weight
+            full.uniform_(-bound, bound, generator=generator)
+        if isinstance(param, DTensor):
+            full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        local.copy_(full)
+
+
+def write_adapters(
+    model: nn.Module, full: dict, lora: LoraConfig, base_model: str | None, out_dir: str
+) -> None:
+    """PEFT's adapter directory from the gathered adapter weights `full`: adapter_model.safetensors and
+    adapter_config.json, which PeftModel.from_pretrained(base, out_dir) loads."""
+    weights = get_peft_model_state_dict(model, state_dict=full)  # PEFT's names, without the adapter's name
+    save_file(
+        {f"base_model.model.{k}": v.contiguous() for k, v in weights.items()},
+        f"{out_dir}/adapter_model.safetensors",
+    )
+    peft_config(lora, base_model).save_pretrained(out_dir)
+
+
+def merged(full: dict, lora: LoraConfig) -> dict:
+    """The base model's weights with every adapter folded in, W + (alpha / r) B A, under the base's names."""
+    out = {}
+    for name, weight in full.items():
+        if ADAPTERS in name:
+            continue
+        if ".base_layer." in name:
+            prefix = name.rsplit(".base_layer.", 1)[0]
+            a, b = full[f"{prefix}.lora_A.default.weight"], full[f"{prefix}.lora_B.default.weight"]
+            weight = (weight.float() + (lora.alpha / lora.r) * (b.float() @ a.float())).to(weight.dtype)
+        out[base_name(name)] = weight
+    return out
+
+
+def has_adapters(model: nn.Module) -> bool:
+    return any(ADAPTERS in name for name, _ in model.named_parameters())

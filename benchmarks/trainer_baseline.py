@@ -58,6 +58,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local: from_config
 import torch
 from accelerate import PartialState
 from accelerate.utils import DistributedType
+from peft import LoraConfig, get_peft_model
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import (
@@ -173,6 +174,10 @@ def main() -> None:
         help="extra TrainingArguments as JSON, e.g. "
         '\'{"optim": "adamw_torch"}\', applied last: to measure one setting at a time',
     )
+    p.add_argument(
+        "--lora-r", type=int, default=0, help="> 0: PEFT's LoRA on every linear layer (get_peft_model)"
+    )
+    p.add_argument("--lora-alpha", type=float, default=16.0)
     p.add_argument("--out", required=True, help="JSON results, written by rank 0")
     a = p.parse_args()
     if not 1 <= a.timing_warmup < a.steps:
@@ -234,6 +239,11 @@ def main() -> None:
         raise SystemExit(f"the tokenizer has {len(tokenizer)} tokens but vocab_size is {config.vocab_size}")
     set_seed(a.seed)  # same init on every rank: each builds the full model before the Trainer shards it
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    if a.lora_r:  # the PEFT way the Trainer documents: wrap, then hand the PeftModel to the Trainer
+        lora = LoraConfig(
+            r=a.lora_r, lora_alpha=a.lora_alpha, target_modules="all-linear", task_type="CAUSAL_LM"
+        )
+        model = get_peft_model(model, lora)
 
     probe = Probe(world)
     trainer = Trainer(
@@ -254,6 +264,7 @@ def main() -> None:
     if args.process_index == 0:
         result = {
             "mode": "best" if a.best else "default",
+            "lora_r": a.lora_r,
             "trainer_args": extra,
             "optim": str(args.optim),
             "torch_compile": args.torch_compile,

@@ -48,9 +48,13 @@ DATA_BYTES = 4_000_000  # enough embedded-corpus rows that no sample repeats
 ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
+LORA: list[str] = []  # --lora R: the adapter settings of both sides (set in main)
+
+
 def ours(steps: int, best: bool, model: dict, seq: int, batch: tuple[int, int]) -> dict:
     global_batch, micro = batch
     overrides = [
+        *LORA,
         f"model.config={json.dumps(model)}",
         f"data.seq_len={seq}",
         f"data.embedded_max_bytes={DATA_BYTES}",
@@ -95,6 +99,7 @@ def trainer(steps: int, best: bool, model: dict, seq: int, batch: tuple[int, int
             f"--timing-warmup={min(WARMUP_STEPS, steps - 1)}",
             f"--out={out}",
             *(["--best"] if best else []),
+            *(f"--lora-{setting.split('=')[0].split('.')[1]}={setting.split('=')[1]}" for setting in LORA),
         ]
         run_command(cmd, timeout=3600, extra_env=ENV)
         with open(out) as f:
@@ -144,7 +149,15 @@ def main() -> None:
         "--budget-gib", type=float, default=0, help="also find the largest micro-batch within"
     )
     parser.add_argument("--tiny", action="store_true", help="debug_tiny-sized, 1 repeat: checks that it runs")
+    parser.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        help="R > 0: both train rank-R LoRA adapters (alpha 2R) on a frozen base",
+    )
     args = parser.parse_args()
+    if args.lora:
+        LORA.extend([f"lora.r={args.lora}", f"lora.alpha={2 * args.lora}"])
     model = dict(MODEL, vocab_size=args.vocab, max_position_embeddings=args.seq)
     seq, batch = args.seq, (args.global_batch, args.micro_batch)
     if args.tiny:
@@ -158,7 +171,11 @@ def main() -> None:
         )
         seq, args.repeats, args.steps = 64, 1, WARMUP_STEPS + 2
         model["max_position_embeddings"] = seq
-    print(f"vocabulary {model['vocab_size']:,}, seq {seq}, global batch {batch[0]}, micro-batch {batch[1]}\n")
+    lora = f", LoRA rank {args.lora} on every linear layer" if args.lora else ""
+    print(
+        f"vocabulary {model['vocab_size']:,}, seq {seq}, global batch {batch[0]}, "
+        f"micro-batch {batch[1]}{lora}\n"
+    )
     print(
         "| comparison | recipe | tokens/s min / median / max | peak RSS GiB / rank (median) | final loss | "
         "tokens/s vs Trainer | memory vs Trainer |\n|---|---|---|---|---|---|---|"

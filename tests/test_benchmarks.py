@@ -20,6 +20,7 @@ from launch import REPO, env, free_port
         ["roofline.py", "--tiny"],
         ["loss_chunks.py", "--tiny"],
         ["vs_trainer.py", "--tiny", "--budget-gib", "8"],
+        ["vs_trainer.py", "--tiny", "--lora", "4"],
         ["reshard_rule.py", "--tiny"],
         ["ac_policy.py", "--tiny"],
         ["gpu_bench.py", "{tmp}", "--tiny"],

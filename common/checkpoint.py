@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from common import integrity
 from common.config import ConfigError
 from common.mesh import gather
 from common.weights import move_into_place, save_config
@@ -130,12 +131,17 @@ def save_checkpoint(
 def complete_save(
     final: str, errors: list, train_state: dict, model_config, tokenizer, keep_latest: int
 ) -> str:
-    """Once every rank's shard is on disk, rank 0 finishes the checkpoint; or every rank raises."""
+    """Once every rank's shard is on disk, rank 0 finishes the checkpoint; or every rank raises. Each rank
+    checksums the files it wrote, for the manifest."""
     tmp, root = f"{final}.tmp", os.path.dirname(final)
     error = _first_on_any_rank(_os_error(errors, root))
+    own = [n for n in os.listdir(tmp) if n.startswith(f"__{dist.get_rank()}_")] if error is None else []
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, integrity.describe(tmp, own))
     if error is None and dist.get_rank() == 0:
         try:
-            finish_checkpoint(final, train_state, model_config, tokenizer, keep_latest)
+            known = {name: entry for entries in every for name, entry in entries.items()}
+            finish_checkpoint(final, train_state, model_config, tokenizer, keep_latest, known)
         except OSError as failed:
             error = failed
     error = _first_on_any_rank(error)
@@ -156,13 +162,17 @@ def complete_save(
     ) from None
 
 
-def finish_checkpoint(final: str, train_state: dict, model_config, tokenizer, keep_latest: int) -> None:
+def finish_checkpoint(
+    final: str, train_state: dict, model_config, tokenizer, keep_latest: int, known: dict | None = None
+) -> None:
     """One process: complete step-N.tmp (train_state.json, the model config and tokenizer, so evaluation
-    can load it), rename it to step-N, and drop the oldest beyond keep_latest but the best."""
+    can load it, and the manifest; `known`: the entries the ranks computed), rename it to step-N, and drop
+    the oldest beyond keep_latest but the best."""
     tmp, root = f"{final}.tmp", os.path.dirname(final)
     with open(os.path.join(tmp, TRAIN_STATE), "w") as f:
         json.dump(train_state, f)
     save_config(tmp, model_config, tokenizer)
+    integrity.write_manifest(tmp, known)
     move_into_place(tmp, final)
     best = train_state.get("best", {}).get("step")  # the Trainer keeps the best checkpoint too
     for old in saved_steps(root)[:-keep_latest]:

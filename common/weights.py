@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import AutoModelForCausalLM
 
-from common import lora
+from common import integrity, lora
 from common.config import Config, resolve_mixed_precision
 from common.model import init_weights
 
@@ -26,6 +26,12 @@ def save_config(out_dir: str, model_config, tokenizer) -> None:
     model_config.save_pretrained(out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
+
+
+def finish_export(tmp: str, out_dir: str) -> None:
+    """One process: the manifest (files, sizes, checksums: common/integrity.py), then the rename."""
+    integrity.write_manifest(tmp)
+    move_into_place(tmp, out_dir)
 
 
 def move_into_place(tmp: str, final: str) -> None:
@@ -103,7 +109,7 @@ def export_full(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype) -
         tmp = f"{out_dir}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         write_hf_directory(model, tmp, {k: v.to(dtype) for k, v in state.items()}, tokenizer, dtype)
-        move_into_place(tmp, out_dir)
+        finish_export(tmp, out_dir)
     dist.barrier()
 
 
@@ -126,7 +132,7 @@ def export_lora(model: nn.Module, cfg: Config, out_dir: str, tokenizer, dtype: t
             lora.write_adapters(model, full, cfg.lora, cfg.model.name_or_path, tmp)
             save_config(tmp, model.generation_config, tokenizer)
             plain_modes(tmp)
-        move_into_place(tmp, out_dir)
+        finish_export(tmp, out_dir)
     dist.barrier()
 
 
@@ -154,7 +160,7 @@ def export_sharded(model: nn.Module, out_dir: str, tokenizer) -> None:
     dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=tmp)
     if dist.get_rank() == 0:
         save_config(tmp, model.config, tokenizer)
-        move_into_place(tmp, out_dir)
+        finish_export(tmp, out_dir)
     dist.barrier()
 
 

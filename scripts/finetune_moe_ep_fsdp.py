@@ -34,7 +34,8 @@ from common.checkpoint import (
     train_state,
 )
 from common.config import Config, ConfigError, TrainConfig
-from common.data.batches import Batch, check_batch_sizes
+from common.data.batches import Batch
+from common.data.checks import check_batch_sizes
 from common.data.held_out import held_out_batches
 from common.data.sft import build_sft_batches
 from common.evaluate import evaluate
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     # SFT data: loss only on answers; rows packed or padded, sampled the same way on any world size.
     tokenizer, data = build_sft_batches(cfg.data, t, dp_rank, sizes.dp, d.is_main, hf_config.vocab_size)
     held_out = held_out_batches(cfg.data, e, tokenizer, dp_rank, sizes.dp, d.is_main) if e.interval else []
-    resume_from = find_resume_checkpoint(c.dir, c.resume)  # rank 0 decides; every rank must see c.dir
+    resume_from = find_resume_checkpoint(c.dir, c.resume, c.verify_checksums)  # rank 0 picks an undamaged one
 
     # TP and EP from the model's own plans, then FSDP: experts over (dp_replicate, efsdp), the rest over
     # (dp_replicate, fsdp). Still on `meta`: no rank ever holds the full model.

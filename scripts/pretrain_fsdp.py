@@ -27,7 +27,8 @@ from common.checkpoint import (
     train_state,
 )
 from common.config import Config, ConfigError, TrainConfig
-from common.data.batches import Batch, build_batches, check_batch_sizes
+from common.data.batches import Batch, build_batches
+from common.data.checks import check_batch_sizes
 from common.data.held_out import held_out_batches
 from common.evaluate import evaluate
 from common.mesh import build_dp_mesh, init_distributed, resolve_device, resolve_dp_sizes
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     dp_rank = d.rank // cp_size
     tokenizer, data = build_batches(cfg.data, t, dp_rank, dp_size, d.is_main, hf_config.vocab_size)
     held_out = held_out_batches(cfg.data, e, tokenizer, dp_rank, dp_size, d.is_main) if e.interval else []
-    resume_from = find_resume_checkpoint(c.dir, c.resume)  # rank 0 decides; every rank must see c.dir
+    resume_from = find_resume_checkpoint(c.dir, c.resume, c.verify_checksums)  # rank 0 picks an undamaged one
 
     # Shard first, then allocate: no rank ever holds the full fp32 model.
     sharding = apply_fsdp(model, mesh, cfg.fsdp, device.type, compile_layers=t.compile)

@@ -36,14 +36,15 @@ from transformers import AutoModelForCausalLM
 
 from common.checkpoint import checkpoints_dir, finish_checkpoint, restore_train_state, train_state
 from common.config import Config, ConfigError, FsdpConfig
-from common.data.batches import build_batches, check_vocab_size
+from common.data.batches import build_batches
+from common.data.checks import check_vocab_size
 from common.model import build_meta_model, init_buffers, init_weights, load_model_config
 from common.ops.cli import parse_args, run_cli
 from common.ops.metrics import MetricsLogger, StepLog, checkpoint_record, flops_per_token
 from common.ops.run_dir import find_resume_checkpoint
 from common.ops.stopping import StopRules
 from common.optim import NonFiniteGradients, build_optimizer, lr_multiplier
-from common.weights import is_sharded_export, move_into_place, prepare_for_generation, write_hf_directory
+from common.weights import finish_export, is_sharded_export, prepare_for_generation, write_hf_directory
 from common.wrap import plan_units, resolve_layer_classes
 
 try:
@@ -338,7 +339,7 @@ def export(model, cfg: Config, tokenizer, compute_dtype: torch.dtype) -> str:
             model.module.config.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
     if xr.process_index() == 0:
-        move_into_place(tmp, out_dir)
+        finish_export(tmp, out_dir)
     hosts_done()
     return out_dir
 
@@ -379,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     optimizer = build_optimizer(model, cfg, torch_xla.device())  # foreach AdamW on the XLA tensors
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
-    resume_from = find_resume_checkpoint(c.dir, c.resume)
+    resume_from = find_resume_checkpoint(c.dir, c.resume, c.verify_checksums)
     start_step, samples = 0, 0
     if resume_from:
         state = load_checkpoint(resume_from, model, optimizer, scheduler, data)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from common.config import ConfigError, DataConfig, TrainConfig
+from common.data.checks import check_records, check_vocab_size, text_needs
 from common.data.embedded import (
     EMBEDDED_CORPUS,
     builds_caches,
@@ -67,9 +68,20 @@ def load_tokenizer(cfg: DataConfig):
 
     if cfg.tokenizer is None:
         return AutoTokenizer.from_pretrained(embedded_tokenizer_dir(cfg))
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a damaged file, named before the parser fails
+        path = os.path.join(cfg.tokenizer, name)
+        try:
+            with open(path) as f:
+                json.load(f)
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as e:
+            raise ConfigError(
+                f"data.tokenizer {cfg.tokenizer!r} is damaged: {path} is unreadable ({e})"
+            ) from None
     try:
         return AutoTokenizer.from_pretrained(cfg.tokenizer)
-    except OSError as e:
+    except Exception as e:  # OSError when missing; the tokenizers library's own errors when damaged
         raise ConfigError(
             f"data.tokenizer {cfg.tokenizer!r} could not be loaded ({str(e).splitlines()[0]}); "
             f"give a local tokenizer directory or a reachable hub id"
@@ -116,6 +128,7 @@ def _tokenize(cfg: DataConfig, files: list[str] | None) -> np.ndarray:
     if cfg.dataset == "embedded":
         documents = embedded_documents(cfg.embedded_max_bytes)
     else:
+        check_records(files, "data.dataset", text_needs(cfg.text_field))
         documents = text_column(load_local(files, cfg.split), cfg, cfg.dataset)
     return pack_documents(documents, load_tokenizer(cfg), cfg, "data.dataset", cfg.dataset)
 
@@ -325,22 +338,3 @@ def _text_batches(cfg: DataConfig, t: TrainConfig, dp_rank: int, dp_size: int, i
     return tokenizer, LocalBatches(
         tokens_path, pad_token_id(tokenizer), seed, global_batch, micro_batch, dp_rank, dp_size, document_eos
     )
-
-
-def check_batch_sizes(t: TrainConfig, dp_size: int) -> None:
-    if t.global_batch_size % (t.micro_batch_size * dp_size):
-        raise ConfigError(
-            f"train.global_batch_size ({t.global_batch_size}) is not a multiple of micro_batch_size "
-            f"({t.micro_batch_size}) x data-parallel size ({dp_size}); make it a multiple of "
-            f"{t.micro_batch_size * dp_size}"
-        )
-
-
-def check_vocab_size(tokenizer_size: int, vocab_size: int) -> None:
-    """Token ids past the embedding table would fail deep inside the first forward."""
-    if tokenizer_size > vocab_size:
-        raise ConfigError(
-            f"the tokenizer has {tokenizer_size} tokens but the model's vocab_size is {vocab_size}; use the "
-            f"model's own tokenizer (data.tokenizer), or for a new model set model.config.vocab_size >= "
-            f"{tokenizer_size}"
-        )

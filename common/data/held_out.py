@@ -18,6 +18,7 @@ from common.data.batches import (
     text_column,
     to_batch,
 )
+from common.data.checks import check_records, text_needs
 from common.data.embedded import embedded_documents
 from common.data.sft import is_sft, sft_batch, sft_rows_path
 
@@ -53,6 +54,7 @@ def _documents(cfg: DataConfig, source, split: str, files: list[str] | None) -> 
             )
         return documents
     if files:
+        check_records(files, "data.eval_dataset", text_needs(cfg.text_field))
         return text_column(load_local(files, "train"), cfg, source)
     import datasets
 

@@ -15,7 +15,6 @@ from common.data.batches import (
     LOCAL_FORMATS,
     Batch,
     LocalBatches,
-    check_vocab_size,
     file_fingerprint,
     load_local,
     load_tokenizer,
@@ -23,6 +22,7 @@ from common.data.batches import (
     pad_token_id,
     prepare_local_data,
 )
+from common.data.checks import check_records, check_vocab_size, sft_needs
 from common.data.embedded import ensure_embedded_tokenizer
 
 ARITHMETIC = "arithmetic"  # the built-in task: "17+25=" -> "42"
@@ -61,11 +61,12 @@ def is_sft(source: str | list, text_field: str) -> bool:
     return text_field not in first and ("messages" in first or {"prompt", "completion"} <= set(first))
 
 
-def _read_examples(source: str | list, split: str) -> list[dict]:
+def _read_examples(source: str | list, split: str, key: str) -> list[dict]:
     if source == ARITHMETIC:
         return arithmetic_examples(split)
     files = local_files(source)
     if files:
+        check_records(files, key, sft_needs)
         return list(load_local(files, "train"))
     import datasets
 
@@ -161,7 +162,7 @@ def sft_rows_path(
     """The cached [N, 4, seq_len] rows of build_rows for `source`; `key` names it in errors."""
 
     def build() -> np.ndarray:
-        examples = [tokenize_example(tokenizer, e) for e in _read_examples(source, split)]
+        examples = [tokenize_example(tokenizer, e) for e in _read_examples(source, split, key)]
         rows = build_rows(examples, cfg.seq_len, cfg.pack, pad_token_id(tokenizer))
         if len(rows) == 0:
             raise ConfigError(

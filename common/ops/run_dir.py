@@ -9,31 +9,33 @@ import os
 import torch
 import torch.distributed as dist
 
+from common import integrity
 from common.checkpoint import STEP_DIR, TRAIN_STATE, checkpoints_dir, saved_steps
 from common.config import ConfigError
 
 
-def find_resume_checkpoint(run_dir: str, resume: str) -> str | None:
-    """`auto`: this run's newest complete checkpoint, if any; `none`: None; else the given path. Rank 0
-    decides and every rank takes its choice: ranks listing the directory themselves could disagree (a
-    network filesystem's stale view on one node) and load different steps. First, every rank must see
-    what rank 0 writes there: a node-local run directory could never be resumed."""
-    if dist.is_initialized():
-        check_shared_storage(run_dir)
+def find_resume_checkpoint(run_dir: str, resume: str, checksums: bool = True) -> str | None:
+    """`auto`: this run's newest complete and undamaged checkpoint, if any; `none`: None; else the given
+    path, which must be undamaged. Rank 0 decides and every rank takes its choice: ranks listing the
+    directory themselves could disagree (a network filesystem's stale view on one node) and load different
+    steps. Then every rank must see what rank 0 writes there: a node-local run directory could never be
+    resumed. `checksums`: check every file's CRC-32 against the manifest too (sizes always)."""
     choice: list = [None, None]  # the path, or the error that stops every rank
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            choice[0] = _resume_checkpoint(run_dir, resume)
+            choice[0] = _resume_checkpoint(run_dir, resume, checksums)
         except ConfigError as error:
             choice[1] = str(error)
     if dist.is_initialized():
         dist.broadcast_object_list(choice, src=0)
     if choice[1]:
         raise ConfigError(choice[1])
+    if dist.is_initialized():
+        check_shared_storage(run_dir)
     return choice[0]
 
 
-def _resume_checkpoint(run_dir: str, resume: str) -> str | None:
+def _resume_checkpoint(run_dir: str, resume: str, checksums: bool) -> str | None:
     if resume == "none":
         return None
     if resume != "auto":
@@ -42,11 +44,35 @@ def _resume_checkpoint(run_dir: str, resume: str) -> str | None:
                 f"checkpoint.resume {resume!r} is not a complete checkpoint directory "
                 f"(no {TRAIN_STATE}); use auto, none, or a checkpoints/step-N path"
             )
+        if problem := integrity.damage(resume, checksums):  # asked for by name: no silent fallback
+            raise ConfigError(
+                f"checkpoint.resume {resume!r} is damaged: {problem}; resume from another checkpoint, "
+                f"or set checkpoint.resume=none"
+            )
         _start_branch(run_dir, resume)
         return resume
     root = checkpoints_dir(run_dir)
     complete = [s for s in saved_steps(root) if os.path.exists(os.path.join(root, f"step-{s}", TRAIN_STATE))]
-    return os.path.join(root, f"step-{complete[-1]}") if complete else None
+    for step in reversed(complete):
+        path = os.path.join(root, f"step-{step}")
+        problem = integrity.damage(path, checksums)
+        if problem is None:
+            return path
+        aside = _move_aside(root, f"step-{step}", "damaged")
+        print(f"checkpoint: step-{step} is damaged ({problem}); moved it to {aside}", flush=True)
+    return None
+
+
+def _move_aside(root: str, name: str, folder: str) -> str:
+    """checkpoints/<folder>/<name>[.K]: kept for a person to look at, invisible to resume and keep_latest."""
+    aside = base = os.path.join(root, folder, name)
+    copies = 1
+    while os.path.exists(aside):
+        copies += 1
+        aside = f"{base}.{copies}"
+    os.makedirs(os.path.dirname(aside), exist_ok=True)
+    os.replace(os.path.join(root, name), aside)
+    return aside
 
 
 def _start_branch(run_dir: str, resume: str) -> None:

@@ -1,0 +1,151 @@
+"""Whether what is on disk is whole. Every checkpoint and export records a manifest (manifest.json: each
+file's size and CRC-32) when it is complete; before one is loaded, its files are checked against it, and a
+model directory's structure (config.json, weights, shards, safetensors headers) is checked, so a damaged
+file is one line naming it, not a traceback from deep inside DCP or safetensors."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+
+MANIFEST = "manifest.json"
+CHUNK = 16 * 2**20
+
+
+def crc32(path: str) -> int:
+    value = 0
+    with open(path, "rb") as f:
+        while block := f.read(CHUNK):
+            value = zlib.crc32(block, value)
+    return value
+
+
+def describe(directory: str, names: list[str]) -> dict:
+    """{name: {"bytes", "crc32"}} of these files of `directory`."""
+    out = {}
+    for name in names:
+        path = os.path.join(directory, name)
+        out[name] = {"bytes": os.path.getsize(path), "crc32": crc32(path)}
+    return out
+
+
+def write_manifest(directory: str, known: dict | None = None) -> None:
+    """manifest.json for every file of `directory`; `known`: entries already computed (by the ranks that
+    wrote those files, in parallel)."""
+    entries = dict(known or {})
+    rest = [
+        n for n in os.listdir(directory) if n not in entries and n != MANIFEST and not n.startswith(".fault")
+    ]
+    entries.update(describe(directory, [n for n in rest if os.path.isfile(os.path.join(directory, n))]))
+    with open(os.path.join(directory, MANIFEST), "w") as f:
+        json.dump(dict(sorted(entries.items())), f, indent=1)
+
+
+def damage(directory: str, checksums: bool = True) -> str | None:
+    """What is wrong with a checkpoint or export directory, naming the file; None if nothing is. Without a
+    manifest (written before manifests existed) only DCP's own index is checked."""
+    problem = None
+    manifest = os.path.join(directory, MANIFEST)
+    if os.path.exists(manifest):
+        try:
+            with open(manifest) as f:
+                entries = json.load(f)
+        except (OSError, ValueError) as e:
+            return f"{manifest} is unreadable ({e})"
+        for name, entry in entries.items():
+            path = os.path.join(directory, name)
+            if not os.path.exists(path):
+                return f"{path} is missing"
+            size = os.path.getsize(path)
+            if size != entry["bytes"]:
+                return (
+                    f"{path} has {size:,} bytes, {entry['bytes']:,} when written (truncated or overwritten)"
+                )
+            if checksums and crc32(path) != entry["crc32"]:
+                return f"{path} does not match its checksum (corrupted)"
+    if os.path.exists(os.path.join(directory, ".metadata")):
+        problem = _dcp_damage(directory)
+    return problem
+
+
+def _dcp_damage(directory: str) -> str | None:
+    """DCP's index readable, and every byte range it names inside its files."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        metadata = dcp.FileSystemReader(directory).read_metadata()
+    except Exception as e:  # an unpickling error of any type: the index is damaged
+        return f"{os.path.join(directory, '.metadata')} is unreadable ({type(e).__name__})"
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        path = os.path.join(directory, name)
+        if not os.path.exists(path):
+            return f"{path} is missing"
+        if os.path.getsize(path) < end:
+            have = os.path.getsize(path)
+            return f"{path} has {have:,} bytes but the checkpoint reads up to byte {end:,} (truncated)"
+    return None
+
+
+WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def model_dir_damage(directory: str) -> str | None:
+    """What is wrong with a local model directory (an HF checkpoint or an export), naming the file."""
+    config = os.path.join(directory, "config.json")
+    try:
+        with open(config) as f:
+            json.load(f)
+    except ValueError as e:
+        return f"{config} is not valid JSON ({e})"
+    except OSError:
+        return f"{directory} has no config.json"
+    problem = damage(directory, checksums=False)  # sizes against its manifest, if it has one
+    if problem or os.path.exists(os.path.join(directory, ".metadata")):  # a SHARDED export: DCP checked
+        return problem
+    present = [name for name in WEIGHTS if os.path.exists(os.path.join(directory, name))]
+    if not present:
+        return f"{directory} has no weights (none of {', '.join(WEIGHTS)})"
+    if present[0].endswith(".index.json"):
+        index = os.path.join(directory, present[0])
+        try:
+            with open(index) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError) as e:
+            return f"{index} is not a valid weight index ({e})"
+        missing = [s for s in shards if not os.path.exists(os.path.join(directory, s))]
+        if missing:
+            return f"{index} names {os.path.join(directory, missing[0])}, which is missing"
+        files = [s for s in shards if s.endswith(".safetensors")]
+    else:
+        files = [n for n in present if n.endswith(".safetensors")]
+    for name in files:
+        if problem := _safetensors_damage(os.path.join(directory, name)):
+            return problem
+    return None
+
+
+def _safetensors_damage(path: str) -> str | None:
+    """The header readable and every tensor's bytes inside the file: what an interrupted copy breaks."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length)) if 8 + length <= size else None
+    except (struct.error, ValueError, UnicodeDecodeError):
+        header = None
+    if header is None:
+        return f"{path} is not a readable safetensors file (its header is cut or damaged)"
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    if 8 + length + end > size:
+        return f"{path} has {size:,} bytes but its tensors end at byte {8 + length + end:,} (truncated)"
+    return None

@@ -1,0 +1,188 @@
+"""Damaged files: a broken dataset, model, tokenizer or export is one line naming the file (and the line),
+exit 2, nothing written; a damaged checkpoint is moved aside and `auto` resumes from the one before it."""
+
+import json
+import os
+import shutil
+
+import pytest
+from safetensors.torch import load_file
+
+from launch import TINY, event, losses, pretrain, read_metrics, run
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory) -> str:
+    run_dir = tmp_path_factory.mktemp("export")
+    pretrain(run_dir, "train.steps=1", nproc=0)
+    return str(run_dir / "export")
+
+
+def refused(run_dir, *overrides: str, nproc: int = 0, config: str = TINY) -> list[str]:
+    """The config-error lines of a run that must stop at once, with exit 2 and nothing written."""
+    proc = run(
+        "pretrain_fsdp.py",
+        ["--config", config, f"checkpoint.dir={run_dir}", *overrides],
+        nproc=nproc,
+        check=False,
+    )
+    lines = [line for line in proc.stderr.splitlines() if "config error:" in line]
+    assert proc.returncode == (2 if nproc == 0 else 1) and len(lines) == max(nproc, 1), proc.stderr[-3000:]
+    assert proc.stderr.count("Traceback") == (0 if nproc == 0 else 1)  # torchrun's own report only
+    assert not os.path.exists(run_dir), "nothing is written"
+    return lines
+
+
+def write_jsonl(path, records: list, broken: dict | None = None) -> str:
+    with open(path, "w") as f:
+        for number, record in enumerate(records, start=1):
+            f.write((broken or {}).get(number, json.dumps(record)) + "\n")
+    return str(path)
+
+
+TEXTS = [{"text": f"document {i} " + "words " * 40} for i in range(400)]
+
+
+def test_a_broken_jsonl_line_names_the_file_and_line_on_every_rank(tmp_path):
+    data = write_jsonl(tmp_path / "train.jsonl", TEXTS, broken={217: '{"text": "cut off'})
+    lines = refused(tmp_path / "run", f"data.dataset={data}", nproc=2)
+    assert all(f"data.dataset: {data}:217: not valid JSON" in line for line in lines)
+
+
+def test_records_without_their_fields_name_the_line(tmp_path):
+    data = write_jsonl(tmp_path / "text.jsonl", TEXTS[:4] + [{"content": "no text key"}] + TEXTS[5:])
+    (line,) = refused(tmp_path / "a", f"data.dataset={data}")
+    assert f"{data}:5: the record has no 'text' text" in line
+    sft = [{"prompt": "1+1=", "completion": "2"}] * 9 + [{"prompt": "2+2="}]
+    data = write_jsonl(tmp_path / "sft.jsonl", sft)
+    (line,) = refused(tmp_path / "b", f"data.dataset={data}")
+    assert f"{data}:10: the record has neither 'prompt' and 'completion' nor 'messages'" in line
+
+
+def test_a_truncated_parquet_file_is_named(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(TEXTS), path)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    (line,) = refused(tmp_path / "run", f"data.dataset={path}")
+    assert f"{path} is not a readable Parquet file" in line
+
+
+def damaged_copy(export: str, tmp_path, name: str) -> str:
+    copy = tmp_path / name
+    shutil.copytree(export, copy)
+    return str(copy)
+
+
+def truncate(path, keep: float = 0.5) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(int(os.path.getsize(path) * keep))
+
+
+def test_damaged_model_directories_are_one_line(tmp_path, export):
+    model = ["model.config={}"]
+    no_weights = damaged_copy(export, tmp_path, "no_weights")
+    os.remove(os.path.join(no_weights, "model.safetensors"))
+    os.remove(os.path.join(no_weights, "manifest.json"))
+    (line,) = refused(tmp_path / "r1", f"model.name_or_path={no_weights}", *model)
+    assert f"{no_weights} has no weights" in line
+    cut = damaged_copy(export, tmp_path, "cut")  # with its manifest: the size differs from the one written
+    truncate(os.path.join(cut, "model.safetensors"))
+    (line,) = refused(tmp_path / "r2", f"model.name_or_path={cut}", *model)
+    assert f"{cut}/model.safetensors has " in line and "(truncated or overwritten)" in line
+    os.remove(os.path.join(cut, "manifest.json"))  # a plain HF directory: the safetensors header tells
+    (line,) = refused(tmp_path / "r3", f"model.name_or_path={cut}", *model)
+    assert f"{cut}/model.safetensors has " in line and "(truncated)" in line
+    sharded = damaged_copy(export, tmp_path, "index")
+    os.remove(os.path.join(sharded, "manifest.json"))
+    index = {"metadata": {}, "weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}
+    os.rename(
+        os.path.join(sharded, "model.safetensors"), os.path.join(sharded, "model-00001-of-00002.safetensors")
+    )
+    with open(os.path.join(sharded, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+    (line,) = refused(tmp_path / "r4", f"model.name_or_path={sharded}", *model)
+    assert "names " in line and "model-00002-of-00002.safetensors, which is missing" in line
+    bad_config = damaged_copy(export, tmp_path, "bad_config")
+    with open(os.path.join(bad_config, "config.json"), "w") as f:
+        f.write('{"model_type": ')
+    (line,) = refused(tmp_path / "r5", f"model.name_or_path={bad_config}", *model)
+    assert f"{bad_config}/config.json is not valid JSON" in line
+
+
+def test_a_damaged_tokenizer_is_one_line(tmp_path, export):
+    tokenizer = damaged_copy(export, tmp_path, "tokenizer")
+    truncate(os.path.join(tokenizer, "tokenizer.json"))
+    (line,) = refused(tmp_path / "r1", f"data.tokenizer={tokenizer}")
+    assert f"{tokenizer}/tokenizer.json is unreadable" in line
+    (line,) = refused(tmp_path / "r2", f"data.tokenizer={tmp_path / 'missing'}")
+    assert "could not be loaded" in line
+
+
+def test_a_damaged_sharded_export_is_one_line(tmp_path):
+    pretrain(tmp_path / "sharded", "train.steps=1", "fsdp.state_dict_type=SHARDED_STATE_DICT")
+    export = tmp_path / "sharded" / "export"
+    distcp = sorted(name for name in os.listdir(export) if name.endswith(".distcp"))[0]
+    truncate(export / distcp)
+    (line,) = refused(tmp_path / "run", f"model.name_or_path={export}", "model.config={}")
+    assert f"{export}/{distcp} has " in line
+
+
+# A damaged checkpoint never blocks `auto`: it moves aside and the run resumes from the one before.
+SIX = ["train.steps=6", "checkpoint.interval=2", "checkpoint.keep_latest=3"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("straight")
+    return run_dir, pretrain(run_dir, *SIX)
+
+
+def flip_a_byte(path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_auto_moves_a_damaged_checkpoint_aside_and_resumes_from_the_one_before(tmp_path, straight, damage):
+    ref_dir, ref = straight
+    first = pretrain(tmp_path, *SIX, "train.stop_after=4")
+    newest = tmp_path / "checkpoints" / "step-4"
+    distcp = sorted(name for name in os.listdir(newest) if name.endswith(".distcp"))[-1]
+    (truncate if damage == "truncated" else flip_a_byte)(newest / distcp)
+    proc = run("pretrain_fsdp.py", ["--config", TINY, f"checkpoint.dir={tmp_path}", *SIX], nproc=2)
+    aside = tmp_path / "checkpoints" / "damaged" / "step-4"
+    assert f"checkpoint: step-4 is damaged ({newest}/{distcp} " in proc.stdout
+    assert f"moved it to {aside}" in proc.stdout and (aside / distcp).exists()
+    resumed = read_metrics(tmp_path)[len(first) :]
+    assert event(resumed, "model_ready")["start_step"] == 2
+    assert losses(resumed) == losses(ref)[2:]
+    ours, theirs = (
+        load_file(tmp_path / "export" / "model.safetensors"),
+        load_file(ref_dir / "export" / "model.safetensors"),
+    )
+    assert all((ours[k] == theirs[k]).all() for k in theirs)  # bit-identical to resuming at step 2
+
+
+def test_an_explicit_damaged_resume_is_one_line_and_a_checkpoint_without_manifest_still_loads(
+    tmp_path, straight
+):
+    ref_dir, _ = straight
+    copy = tmp_path / "copy"
+    shutil.copytree(ref_dir / "checkpoints" / "step-4", copy)
+    truncate(copy / sorted(n for n in os.listdir(copy) if n.endswith(".distcp"))[0])
+    (line,) = refused(tmp_path / "run", f"checkpoint.resume={copy}")
+    assert f"checkpoint.resume '{copy}' is damaged: {copy}/" in line
+    old = tmp_path / "old"  # written before manifests existed
+    shutil.copytree(ref_dir / "checkpoints" / "step-4", old)
+    os.remove(old / "manifest.json")
+    records = pretrain(tmp_path / "resumed", *SIX, f"checkpoint.resume={old}")
+    assert event(records, "model_ready")["start_step"] == 4

@@ -242,9 +242,9 @@ def test_bad_files_are_one_line_and_exit_2(tmp_path, capsys):
                 "--config",
                 TINY,
                 "--fsdp-config",
-                write(tmp_path, "f1.json", {"sharding_strategy": "FULL_SHARD"}),
+                write(tmp_path, "f1.json", {"ignored_modules": ["lm_head"]}),
             ],
-            "FSDP1 option with no FSDP2 meaning",
+            "which FSDP2 cannot leave out of sharding here",
         ),
         (
             [
@@ -382,8 +382,3 @@ def test_the_more_specific_source_wins_and_is_logged(tmp_path, capsys, monkeypat
     assert "fsdp.reshard_after_forward False -> True (key=value)" in capsys.readouterr().out
     parse_args(["--config", debug_llama])
     assert capsys.readouterr().out == ""
-
-
-def test_an_fsdp1_key_given_as_key_value_names_its_fsdp2_replacement():
-    with pytest.raises(ConfigError, match="FSDP1 option with no FSDP2 meaning: use reshard_after_forward"):
-        load_config(TINY, ["fsdp.sharding_strategy=FULL_SHARD"])

@@ -10,6 +10,7 @@ import sys
 
 from common.config import Config, ConfigError
 from common.ops.config_sources import load_config
+from common.ops.fsdp1 import Translation
 
 
 def parse_args(argv: list[str] | None = None, description: str = "") -> Config:
@@ -22,14 +23,17 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> Config:
     parser.add_argument("overrides", nargs="*", help="key.path=value, value parsed as JSON")
     args = parser.parse_args(argv)
     changes: list[str] = []
-    cfg = load_config(
-        args.config, args.overrides, args.fsdp_config, args.accelerate_config, os.environ, changes
-    )
-    if changes and os.environ.get("RANK", "0") == "0":
-        print(
-            f"config: {len(changes)} value(s) changed by a more specific source: {'; '.join(changes)}",
-            flush=True,
-        )
+    translation = Translation()
+    sources = (args.config, args.overrides, args.fsdp_config, args.accelerate_config)
+    cfg = load_config(*sources, os.environ, changes, translation)
+    if os.environ.get("RANK", "0") == "0":
+        if changes:
+            print(
+                f"config: {len(changes)} value(s) changed by a more specific source: {'; '.join(changes)}",
+                flush=True,
+            )
+        if translation.line():
+            print(translation.line(), flush=True)
     return cfg
 
 

@@ -11,17 +11,8 @@ import types
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from common.config import Config, ConfigError, FsdpConfig, class_names, mixed_precision_dtypes, validate
+from common.ops.fsdp1 import FSDP1_KEYS, Translation
 
-# FSDP1 options with no FSDP2 equivalent: an error that names the replacement, never silently ignored.
-FSDP1_ONLY_KEYS = {
-    "sharding_strategy": "use reshard_after_forward (and parallelism.dp_replicate_size for HYBRID_SHARD)",
-    "backward_prefetch": "FSDP2 always prefetches the next all-gather in backward; remove it",
-    "forward_prefetch": "FSDP2 prefetches by module order; remove it",
-    "limit_all_gathers": "FSDP2 needs no rate limiter; remove it",
-}
-# Accepted and ignored: FSDP2 always keeps original parameters, and module states agree by construction
-# (deterministic init, or rank 0's broadcast with cpu_ram_efficient_loading).
-FSDP2_IMPLIED_KEYS = {"use_orig_params", "sync_module_states", "activation_checkpointing_offload"}
 # Accelerate's names (Transformers silently ignores offload_params).
 FSDP_KEY_ALIASES = {
     "offload_params": "cpu_offload",
@@ -30,6 +21,10 @@ FSDP_KEY_ALIASES = {
 # The FSDP_<KEY> variables of `accelerate launch` that mean something for FSDP2.
 LAUNCH_ENV_KEYS = """version reshard_after_forward offload_params auto_wrap_policy transformer_cls_to_wrap
     state_dict_type cpu_ram_efficient_loading activation_checkpointing""".split()
+# An FSDP1 launch (FSDP_VERSION 1 or unset) exports these too; they are translated.
+FSDP1_LAUNCH_KEYS = (
+    "sharding_strategy backward_prefetch forward_prefetch use_orig_params sync_module_states".split()
+)
 LAUNCH_ENV = "the accelerate launch environment"
 # Accelerate's parallelism_config keys; the ignored ones are meaningless here at these values only.
 PARALLELISM_KEYS = "dp_replicate_size dp_shard_size tp_size cp_size sp_size cp_comm_strategy".split()
@@ -126,16 +121,22 @@ def fill(obj, values: dict, prefix: str) -> None:
             raise ConfigError(f"'{prefix}{key}' must be an object, got {value!r}")
 
 
-def apply_override(cfg: Config, item: str, changes: list | None = None) -> None:
-    """`section.key=value`; dict-valued keys such as `model.config` take deeper paths."""
+def apply_override(
+    cfg: Config, item: str, changes: list | None = None, translation: Translation | None = None
+) -> None:
+    """`section.key=value`; dict-valued keys such as `model.config` take deeper paths. An FSDP1 key
+    (`fsdp.sharding_strategy=SHARD_GRAD_OP`) is translated (common/ops/fsdp1.py)."""
     if "=" not in item:
         raise ConfigError(f"override '{item}' is not key.path=value (e.g. train.steps=20)")
     path, text = item.split("=", 1)
     *parents, leaf = path.split(".")
-    if parents == ["fsdp"] and leaf in FSDP1_ONLY_KEYS:
-        raise ConfigError(
-            f"override '{item}' is an FSDP1 option with no FSDP2 meaning: {FSDP1_ONLY_KEYS[leaf]}"
-        )
+    if parents == ["fsdp"] and leaf in FSDP1_KEYS:
+        translation = translation or Translation()
+        for key, value in translation.add(path, leaf, parse_scalar(text), "an override").items():
+            setattr(cfg.fsdp, key, value)
+        for key, value in translation.parallelism.items():
+            setattr(cfg.parallelism, key, value)
+        return
     obj: Any = cfg
     for depth, name in enumerate(parents + [leaf]):
         if not isinstance(obj, dict):
@@ -157,26 +158,34 @@ def apply_override(cfg: Config, item: str, changes: list | None = None) -> None:
         setattr(obj, leaf, value)
 
 
-def normalize_fsdp_keys(values: dict, source: str) -> dict:
-    """A Transformers/Accelerate fsdp_config dict in our `fsdp` keys."""
+def normalize_fsdp_keys(values: dict, source: str, translation: Translation | None = None) -> dict:
+    """A Transformers/Accelerate fsdp_config dict in our `fsdp` keys; FSDP1 keys translated."""
     known = {f.name for f in dataclasses.fields(FsdpConfig)}
+    translation = translation or Translation()
     out = {}
     for raw_key, value in values.items():
         key = raw_key.removeprefix("fsdp_")
         key = FSDP_KEY_ALIASES.get(key, key)
-        if key in FSDP1_ONLY_KEYS:
-            raise ConfigError(
-                f"'{raw_key}' in {source} is an FSDP1 option with no FSDP2 meaning: {FSDP1_ONLY_KEYS[key]}"
-            )
-        if key in FSDP2_IMPLIED_KEYS:
+        if key in FSDP1_KEYS:
+            for new_key, new_value in translation.add(raw_key, key, value, source).items():
+                if out.get(new_key, new_value) != new_value:
+                    raise ConfigError(
+                        f"'{raw_key}' in {source} means {new_key}={new_value} but {source} also sets "
+                        f"{new_key}={out[new_key]}; give one of them"
+                    )
+                out[new_key] = new_value
             continue
         if key not in known:
             raise ConfigError(f"unknown key '{raw_key}' in {source}{did_you_mean(key, known)}")
+        if out.get(key, value) != value:
+            raise ConfigError(
+                f"'{raw_key}' in {source} is {value!r} but its FSDP1 keys mean {out[key]!r}; give one"
+            )
         out[key] = value
     return out
 
 
-def _accelerate_fsdp(doc: dict, path: str) -> dict:
+def _accelerate_fsdp(doc: dict, path: str, translation: Translation) -> dict:
     if str(doc.get("distributed_type", "FSDP")).upper() != "FSDP":
         raise ConfigError(
             f"--accelerate-config {path}: distributed_type is {doc['distributed_type']!r}; set it to FSDP"
@@ -184,7 +193,7 @@ def _accelerate_fsdp(doc: dict, path: str) -> dict:
     values = dict(doc.get("fsdp_config") or {})
     if "mixed_precision" in doc:
         values["mixed_precision"] = doc["mixed_precision"]
-    return normalize_fsdp_keys(values, path)
+    return normalize_fsdp_keys(values, path, translation)
 
 
 def accelerate_parallelism(values: dict, source: str) -> dict:
@@ -207,13 +216,14 @@ def accelerate_parallelism(values: dict, source: str) -> dict:
     return out
 
 
-def accelerate_launch_env(environ: dict) -> dict:
+def accelerate_launch_env(environ: dict, translation: Translation | None = None) -> dict:
     if environ.get("ACCELERATE_USE_FSDP", "").lower() != "true":
         return {}
-    names = {f"FSDP_{key.upper()}": key for key in LAUNCH_ENV_KEYS}
+    keys = LAUNCH_ENV_KEYS if environ.get("FSDP_VERSION", "1") == "2" else LAUNCH_ENV_KEYS + FSDP1_LAUNCH_KEYS
+    names = {f"FSDP_{key.upper()}": key for key in keys}
     names["ACCELERATE_MIXED_PRECISION"] = "mixed_precision"
     values = {key: parse_scalar(environ[name]) for name, key in names.items() if name in environ}
-    out = normalize_fsdp_keys(values, LAUNCH_ENV)
+    out = normalize_fsdp_keys(values, LAUNCH_ENV, translation)
     # FSDP_MIN_NUM_PARAMS is always exported (default 1e8), but means something only for SIZE_BASED_WRAP.
     if out.get("auto_wrap_policy") == "SIZE_BASED_WRAP" and "FSDP_MIN_NUM_PARAMS" in environ:
         out["min_num_params"] = int(environ["FSDP_MIN_NUM_PARAMS"])
@@ -271,19 +281,26 @@ def load_config(
     accelerate_config: str | None = None,
     environ: dict | None = None,
     changes: list | None = None,
+    translation: Translation | None = None,
 ) -> Config:
-    """Each value that a higher source changed is appended to `changes` as one short text."""
+    """Each value that a higher source changed is appended to `changes` as one short text; `translation`
+    collects what the FSDP1 keys of every source became."""
     changes = [] if changes is None else changes
     environ = environ or {}
+    translation = translation or Translation()
+    translation.environ = environ
     values = _read_json(path, "--config")
     cfg = Config()
     run_fsdp = values.pop("fsdp", {}) or {}
     fill(cfg, values, "")
-    run_fsdp = normalize_fsdp_keys(run_fsdp, f"{path} (fsdp)")
+    run_fsdp = normalize_fsdp_keys(run_fsdp, f"{path} (fsdp)", translation)
     fsdp_sources, parallelism_sources = [], []
     if fsdp_config:
         fsdp_sources.append(
-            (fsdp_config, normalize_fsdp_keys(_read_json(fsdp_config, "--fsdp-config"), fsdp_config))
+            (
+                fsdp_config,
+                normalize_fsdp_keys(_read_json(fsdp_config, "--fsdp-config"), fsdp_config, translation),
+            )
         )
     if accelerate_config:
         if not os.path.exists(accelerate_config):
@@ -294,14 +311,16 @@ def load_config(
 
         with open(accelerate_config) as f:
             doc = yaml.safe_load(f) or {}
-        fsdp_sources.append((accelerate_config, _accelerate_fsdp(doc, accelerate_config)))
-    launch_env = accelerate_launch_env(environ)
+        fsdp_sources.append((accelerate_config, _accelerate_fsdp(doc, accelerate_config, translation)))
+    launch_env = accelerate_launch_env(environ, translation)
     if launch_env:
         fsdp_sources.append((LAUNCH_ENV, launch_env))
     fill(cfg.fsdp, _layer_sources(run_fsdp, fsdp_sources, "fsdp", changes), "fsdp.")
     if accelerate_config:
         block = doc.get("parallelism_config") or {}
         parallelism_sources.append((accelerate_config, accelerate_parallelism(block, accelerate_config)))
+    if translation.parallelism:  # FSDP1's hybrid sharding: HSDP over the launcher's nodes
+        parallelism_sources.append(("FSDP1 sharding_strategy", translation.parallelism))
     if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() == "true":
         exported = {k: v for k, v in environ.items() if k.startswith("PARALLELISM_CONFIG_")}
         parallelism_sources.append((LAUNCH_ENV, accelerate_parallelism(exported, LAUNCH_ENV)))
@@ -310,7 +329,7 @@ def load_config(
     )
     fill(cfg.parallelism, run_parallelism, "parallelism.")
     for item in overrides:
-        apply_override(cfg, item, changes)
+        apply_override(cfg, item, changes, translation)
     cfg.fsdp.state_dict_type = state_dict_type(cfg.fsdp.state_dict_type)
     check_types(cfg)
     validate(cfg)

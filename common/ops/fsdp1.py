@@ -1,0 +1,71 @@
+"""FSDP1 configs (Accelerate YAML, the `accelerate launch` environment, a Transformers fsdp_config) translated
+to FSDP2, as Accelerate's `accelerate to-fsdp2` does, except that hybrid sharding becomes HSDP: replicas
+across nodes, shards within a node. One line, on rank 0, lists every translation and every dropped key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.config import ConfigError
+
+# sharding_strategy -> reshard_after_forward (to-fsdp2's mapping); Accelerate also writes them as 1..5.
+RESHARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "NO_SHARD": False, "HYBRID_SHARD": True}
+RESHARD["HYBRID_SHARD_ZERO2"] = False
+NUMBERED = dict(enumerate(RESHARD, start=1))
+# Keys with no FSDP2 meaning, dropped with the reason.
+DROPPED = {
+    "backward_prefetch": "FSDP2 always prefetches the next all-gather in backward",
+    "forward_prefetch": "FSDP2 prefetches by module order",
+    "limit_all_gathers": "FSDP2 needs no rate limiter",
+    "use_orig_params": "FSDP2 always keeps the original parameters",
+    "sync_module_states": "module states agree by construction (seeded init, or rank 0's broadcast)",
+    "activation_checkpointing_offload": "not an FSDP2 option",
+}
+FSDP1_KEYS = {"sharding_strategy", "ignored_modules", *DROPPED}
+
+
+@dataclass
+class Translation:
+    """What the FSDP1 keys of every source became: for the one line, and HSDP's sizes."""
+
+    environ: dict = field(default_factory=dict)  # the launcher's: WORLD_SIZE, LOCAL_WORLD_SIZE
+    translated: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    parallelism: dict = field(default_factory=dict)
+
+    def line(self) -> str | None:
+        parts = []
+        if self.translated:
+            parts.append(f"FSDP1 keys translated: {', '.join(self.translated)}")
+        if self.dropped:
+            parts.append(f"dropped (no FSDP2 meaning): {', '.join(sorted(set(self.dropped)))}")
+        return f"config: {'; '.join(parts)}" if parts else None
+
+    def add(self, raw_key: str, key: str, value, source: str) -> dict:
+        """The FSDP2 keys (`fsdp` section) for FSDP1 `key`; HSDP's sizes go to self.parallelism."""
+        if key in DROPPED:
+            self.dropped.append(key)
+            return {}
+        if key == "ignored_modules":
+            if value:
+                raise ConfigError(
+                    f"'{raw_key}' in {source} is {value!r}, which FSDP2 cannot leave out of sharding here; "
+                    f"freeze those modules instead (lora, or requires_grad=False in your copy), or remove it"
+                )
+            self.dropped.append(key)
+            return {}
+        name = NUMBERED.get(value, value) if isinstance(value, int) else str(value).upper()
+        if name not in RESHARD:
+            raise ConfigError(
+                f"'{raw_key}' in {source} is {value!r}; use one of {', '.join(RESHARD)} (or 1-5), or FSDP2's "
+                f"reshard_after_forward"
+            )
+        after = RESHARD[name]
+        note = f"{raw_key}={name} -> reshard_after_forward={str(after).lower()}"
+        if name.startswith("HYBRID"):  # replicas across nodes, shards within one: the launcher's sizes
+            world = int(self.environ.get("WORLD_SIZE", 1))
+            local = int(self.environ.get("LOCAL_WORLD_SIZE", world))
+            self.parallelism = {"dp_replicate_size": world // local, "dp_shard_size": local}
+            note += f", parallelism.dp_replicate_size={world // local} (nodes) x dp_shard_size={local}"
+        self.translated.append(note)
+        return {"reshard_after_forward": after}

@@ -1,0 +1,125 @@
+"""FSDP1 configs run as they are: Accelerate's `to-fsdp2` mapping, hybrid sharding as HSDP over the nodes,
+dropped keys named in one line; from an Accelerate YAML, the `accelerate launch` environment, a Transformers
+fsdp_config JSON and key=value overrides."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from common.ops.config_sources import load_config
+from common.ops.fsdp1 import Translation
+from launch import REPO, TINY, env, event, free_port, losses, pretrain, read_metrics
+
+FSDP1_YAML = os.path.join(REPO, "configs", "fsdp", "accelerate_fsdp1.yaml")
+# (FSDP1 value, reshard_after_forward, HSDP over the nodes)
+TABLE = [
+    ("FULL_SHARD", True, False),
+    ("SHARD_GRAD_OP", False, False),
+    ("NO_SHARD", False, False),
+    ("HYBRID_SHARD", True, True),
+    ("HYBRID_SHARD_ZERO2", False, True),
+    (2, False, False),  # Accelerate's numbers: 2 is SHARD_GRAD_OP
+]
+LAUNCHER = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}  # 2 nodes x 2 processes
+
+
+def translated(source: str, value, tmp_path) -> tuple:
+    """(cfg, the one line) after giving sharding_strategy=value and the dropped keys through `source`."""
+    fsdp1 = {"sharding_strategy": value, "backward_prefetch": "BACKWARD_PRE", "use_orig_params": True}
+    environ, kwargs = dict(LAUNCHER), {}
+    if source == "yaml":
+        doc = {"distributed_type": "FSDP", "fsdp_config": {f"fsdp_{k}": v for k, v in fsdp1.items()}}
+        (tmp_path / "acc.yaml").write_text(yaml.safe_dump(doc))
+        kwargs["accelerate_config"] = str(tmp_path / "acc.yaml")
+    elif source == "launch environment":
+        environ |= {"ACCELERATE_USE_FSDP": "true", **{f"FSDP_{k.upper()}": str(v) for k, v in fsdp1.items()}}
+    elif source == "fsdp_config json":
+        (tmp_path / "fsdp.json").write_text(json.dumps({f"fsdp_{k}": v for k, v in fsdp1.items()}))
+        kwargs["fsdp_config"] = str(tmp_path / "fsdp.json")
+    translation = Translation()
+    overrides = [f"fsdp.sharding_strategy={value}"] if source == "key=value" else []
+    cfg = load_config(TINY, overrides, environ=environ, translation=translation, **kwargs)
+    return cfg, translation.line()
+
+
+@pytest.mark.parametrize("source", ["yaml", "launch environment", "fsdp_config json", "key=value"])
+@pytest.mark.parametrize("value,reshard,hybrid", TABLE, ids=[str(row[0]) for row in TABLE])
+def test_each_fsdp1_sharding_strategy_becomes_its_fsdp2_keys(tmp_path, source, value, reshard, hybrid):
+    cfg, line = translated(source, value, tmp_path)
+    assert cfg.fsdp.reshard_after_forward is reshard
+    sizes = (cfg.parallelism.dp_replicate_size, cfg.parallelism.dp_shard_size)
+    assert sizes == ((2, 2) if hybrid else (1, -1))
+    name = {2: "SHARD_GRAD_OP"}.get(value, value)
+    assert f"sharding_strategy={name} -> reshard_after_forward={str(reshard).lower()}" in line
+    if hybrid:
+        assert "parallelism.dp_replicate_size=2 (nodes) x dp_shard_size=2" in line
+    if source != "key=value":
+        assert line.endswith("dropped (no FSDP2 meaning): backward_prefetch, use_orig_params")
+
+
+def test_keys_that_cannot_be_translated_are_one_error_and_version_1_stays_one():
+    with pytest.raises(Exception, match="which FSDP2 cannot leave out of sharding here"):
+        load_config(TINY, ['fsdp.ignored_modules=["lm_head"]'])
+    with pytest.raises(Exception, match="fsdp.version is 1; FSDP1 is not supported"):
+        load_config(TINY, ["fsdp.version=1"])
+    translation = Translation()
+    load_config(TINY, ["fsdp.ignored_modules=[]"], translation=translation)  # empty: nothing to ignore
+    assert translation.line() == "config: dropped (no FSDP2 meaning): ignored_modules"
+
+
+def test_the_shipped_fsdp1_accelerate_yaml_trains_and_records_the_translation(tmp_path):
+    plain = pretrain(tmp_path / "plain", "train.steps=2", "checkpoint.export=false")  # the FSDP2 defaults
+    translated_dir = tmp_path / "translated"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        os.path.join(REPO, "scripts", "pretrain_fsdp.py"),
+        "--config",
+        TINY,
+        "--accelerate-config",
+        FSDP1_YAML,
+        f"checkpoint.dir={translated_dir}",
+        "train.steps=2",
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("config: FSDP1 keys translated: fsdp_sharding_strategy=FULL_SHARD") == 1
+    assert (
+        "dropped (no FSDP2 meaning): backward_prefetch, forward_prefetch, sync_module_states" in proc.stdout
+    )
+    with open(translated_dir / "run_config.json") as f:
+        fsdp = json.load(f)["fsdp"]
+    assert fsdp["reshard_after_forward"] is True and fsdp["state_dict_type"] == "SHARDED_STATE_DICT"
+    assert fsdp["cpu_ram_efficient_loading"] is True
+    assert losses(read_metrics(translated_dir)) == pytest.approx(losses(plain), abs=1e-5)
+
+
+def test_hybrid_shard_on_two_nodes_of_two_processes_is_hsdp_and_trains_like_one_process(tmp_path):
+    """Two torchrun agents (--nnodes 2) of 2 processes: HYBRID_SHARD becomes dp_replicate 2 x dp_shard 2."""
+    reference = pretrain(tmp_path / "one", "train.steps=4", "checkpoint.export=false", nproc=0)
+    run_dir, port = tmp_path / "hybrid", free_port()
+    nodes = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2"]
+        cmd += [f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}"]
+        cmd += [
+            os.path.join(REPO, "scripts", "pretrain_fsdp.py"),
+            "--config",
+            TINY,
+            f"checkpoint.dir={run_dir}",
+        ]
+        cmd += ["train.steps=4", "checkpoint.export=false", "fsdp.sharding_strategy=HYBRID_SHARD"]
+        log = open(tmp_path / f"node{node}.log", "w")
+        nodes.append(subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=log, stderr=log))
+    assert [node.wait(timeout=300) for node in nodes] == [0, 0], (tmp_path / "node0.log").read_text()[-3000:]
+    records = read_metrics(run_dir)
+    assert event(records, "model_ready")["mesh"] == {"dp_replicate": 2, "dp_shard": 2}
+    assert "dp_replicate_size=2 (nodes) x dp_shard_size=2" in (tmp_path / "node0.log").read_text()
+    assert losses(records) == pytest.approx(losses(reference), abs=1e-5)

@@ -102,9 +102,12 @@ def token_loss_sum(model: nn.Module, labels: torch.Tensor, chunk_tokens: int, **
     # to the loss: they take full logits.
     transforms = any(getattr(model.config, key, None) for key in ("final_logit_softcapping", "logit_scale"))
     head = model.get_output_embeddings()
+    # A tensor-parallel head splits the vocabulary, which the chunks do not (a vocab-parallel cross-entropy
+    # would): it takes full logits, which its plan gathers.
+    vocab_split = "tp" in (getattr(getattr(head.weight, "device_mesh", None), "mesh_dim_names", None) or ())
     if chunk_tokens and not hasattr(head, "loss_labels"):
         raise RuntimeError("call compute_loss_in_output_layer(model) before token_loss_sum with chunks")
-    if not chunk_tokens or transforms:
+    if not chunk_tokens or transforms or vocab_split:
         logits = model(**inputs).logits
         summed = F.cross_entropy(
             logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"

@@ -58,10 +58,13 @@ def init_distributed(device_preference: str, timeout_minutes: float) -> Dist:
 
 
 def resolve_dp_sizes(p: ParallelismConfig, world_size: int) -> tuple[int, int]:
-    """(dp_replicate, dp_shard) for HSDP over world_size / cp_size ranks (cp ranks share a batch)."""
+    """(dp_replicate, dp_shard) for HSDP over world_size / (cp_size x tp_size) ranks (cp and tp ranks share
+    a batch)."""
     if world_size % p.cp_size:
         raise ConfigError(f"parallelism.cp_size={p.cp_size} does not divide the world size {world_size}")
-    world_size //= p.cp_size
+    if world_size % p.tp_size:
+        raise ConfigError(f"parallelism.tp_size={p.tp_size} does not divide the world size {world_size}")
+    world_size //= p.cp_size * p.tp_size
     replicate, shard = p.dp_replicate_size, p.dp_shard_size
     if replicate == -1 and shard == -1:
         raise ConfigError("parallelism.dp_replicate_size and dp_shard_size are both -1; give at least one")
@@ -85,3 +88,16 @@ def build_dp_mesh(device_type: str, dp_replicate: int, dp_shard: int) -> DeviceM
     return init_device_mesh(
         device_type, (dp_replicate, dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
     )
+
+
+def build_meshes(
+    device_type: str, dp_replicate: int, dp_shard: int, tp: int
+) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """(the mesh FSDP shards over, the tensor-parallel mesh or None). One (dp_replicate, dp_shard, tp) mesh
+    with tp innermost: a tensor-parallel group is adjacent ranks, within a node; its ranks hold the same
+    batch."""
+    if tp == 1:
+        return build_dp_mesh(device_type, dp_replicate, dp_shard), None
+    names = ("dp_replicate", "dp_shard", "tp")
+    mesh = init_device_mesh(device_type, (dp_replicate, dp_shard, tp), mesh_dim_names=names)
+    return (mesh["dp_shard"] if dp_replicate == 1 else mesh[("dp_replicate", "dp_shard")]), mesh["tp"]

@@ -9,18 +9,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from transformers import DistributedConfig
 from transformers.distributed.expert_parallel import apply_expert_parallelism
 from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
-from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
 from common.config import ConfigError, ParallelismConfig
+from common.tp import apply_tp, parallel_plans
 
 DISPATCH = "ep_dispatch_experts"  # the EP plan's style for a layer's experts
-GRAD_ALL_REDUCE = "replicated_with_grad_allreduce"  # TP style of Qwen3's q_norm/k_norm: partial gradients
 
 
 @dataclass
@@ -120,46 +118,15 @@ def apply_tp_ep(
     layout = DistributedConfig(
         dp_replicate_size=sizes.dp_replicate, fsdp_size=sizes.fsdp, tp_size=sizes.tp, ep_size=sizes.ep
     )
-    try:
-        # Private, hence the pinned Transformers: it merges class and config plans and expands `layers.*`.
-        tp_plan, ep_plan, _ = model._resolve_parallel_plans(layout)
-    except ValueError as e:
-        raise ConfigError(f"parallelism sizes do not fit this model: {e}") from None
+    tp_plan, ep_plan = parallel_plans(model, layout)
     if sizes.tp > 1:
-        apply_tensor_parallelism(model, dense_mesh["tp"], tp_plan)
-        for name, module in model.named_modules():
-            if tp_plan.get(name) == GRAD_ALL_REDUCE:
-                _all_reduce_each_gradient(module, dense_mesh["tp"].get_group())
+        apply_tp(model, dense_mesh["tp"], tp_plan)
     if sizes.ep == 1:
         return []
     # The EP group's ranks exchange tokens; tp ranks holding the same batch split it first, so no token
     # is computed twice (see AllToAllEP in Transformers).
     apply_expert_parallelism(model, expert_mesh["ep"], dense_mesh["tp"], ep_plan, ep_implementation="auto")
     return expert_modules(model)
-
-
-def _all_reduce_each_gradient(module: nn.Module, group) -> None:
-    """Sum this replicated module's partial parameter gradients over tp, each backward's before it is
-    accumulated. Transformers all-reduces `.grad` after accumulation instead, which sums the earlier
-    micro-batches' already-reduced gradients again (x tp) when `.grad` is kept between backward passes,
-    as FSDP2 does under set_requires_gradient_sync(False)."""
-    vars(module).pop("forward", None)  # drop Transformers' wrapper, which adds the post-accumulate hook
-    hooked: dict[str, nn.Parameter] = {}
-
-    def all_reduce(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.clone()
-        dist.all_reduce(grad, group=group)
-        return grad
-
-    def hook_params(mod: nn.Module, _args) -> None:
-        # On forward, not now: FSDP swaps in its unsharded parameter, and loading replaces placeholders.
-        if torch.is_grad_enabled():
-            for name, param in mod.named_parameters(recurse=False):
-                if param.requires_grad and hooked.get(name) is not param:
-                    param.register_hook(all_reduce)
-                    hooked[name] = param
-
-    module.register_forward_pre_hook(hook_params)
 
 
 class RouterLogits:

@@ -48,13 +48,14 @@ from common import cp, lora, loss
 from common.config import Config, ConfigError, TrainConfig
 from common.data.batches import Batch
 from common.evaluate import forward_shard, head_loss
-from common.mesh import build_dp_mesh
+from common.mesh import build_dp_mesh, build_meshes
 from common.model import build_meta_model, init_buffers, load_model_config
 from common.moe import apply_tp_ep, build_moe_meshes, fsdp_meshes
 from common.ops.cli import run_cli
 from common.ops.config_sources import apply_override, load_config
 from common.ops.metrics import GIB, CommCounter, sharded_state_bytes
 from common.optim import build_optimizer
+from common.tp import apply_tp
 from common.wrap import apply_fsdp
 from fake_run_patches import (  # beside this script
     grouped_mm_in_float32,
@@ -145,7 +146,9 @@ def shard_on_meta(cfg: Config, recipe: str, world_size: int, device_type: str) -
     experts, expert_mesh, moe = [], None, None
     if recipe == "pretrain":
         dp_replicate, dp_shard, dp_size = checked
-        mesh = build_dp_mesh("cpu", dp_replicate, dp_shard * cp_size)
+        mesh, tp_mesh = build_meshes("cpu", dp_replicate, dp_shard * cp_size, cfg.parallelism.tp_size)
+        if tp_mesh is not None:  # as pretrain_fsdp.py's main() does
+            apply_tp(model, tp_mesh)
     elif recipe == "eval":
         mesh = build_dp_mesh("cpu", 1, world_size)
     else:

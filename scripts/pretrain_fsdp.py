@@ -31,7 +31,7 @@ from common.data.batches import Batch, build_batches
 from common.data.checks import check_batch_sizes
 from common.data.held_out import held_out_batches
 from common.evaluate import evaluate
-from common.mesh import build_dp_mesh, init_distributed, resolve_device, resolve_dp_sizes
+from common.mesh import build_meshes, init_distributed, resolve_device, resolve_dp_sizes
 from common.model import build_meta_model, init_buffers, load_model_config
 from common.ops.async_save import BackgroundSaves
 from common.ops.cli import parse_args, run_cli
@@ -47,8 +47,9 @@ from common.ops.profiling import prepare_diagnostics
 from common.ops.run_dir import find_resume_checkpoint
 from common.ops.stopping import StopRules
 from common.optim import build_optimizer, clip_grad_norm_, lr_multiplier
+from common.tp import apply_tp
 from common.weights import export_final, load_or_init_weights
-from common.wrap import apply_fsdp, resolve_layer_classes
+from common.wrap import apply_fsdp
 
 
 def token_loss_sum(
@@ -69,7 +70,7 @@ def token_loss_sum(
 
 
 def train_step(
-    model, optimizer, scheduler, micro_batches, device, cp_state: cp.CpState | None, t: TrainConfig
+    model, optimizer, scheduler, micro_batches, device, cp_state: cp.CpState | None, t: TrainConfig, tp: int
 ) -> dict:
     """One optimizer step over this rank's micro-batches: mean token loss, grad norm, tokens, the lr.
 
@@ -77,11 +78,13 @@ def train_step(
     sums gradients (see apply_fsdp), so N ranks x k micro-batches give exactly the one-process update,
     with or without padding.
     """
-    # Counted on the shards each rank trains on: cp shards partition a sequence, so no token counts twice.
+    # Counted on the shards each rank trains on: cp shards partition a sequence, so no token counts twice;
+    # the tp ranks of a group hold the same batch, so they count once.
     shard = (lambda labels: labels) if cp_state is None else cp_state.shard
     local_tokens = sum(int((shard(b.labels) != -100).sum()) for b in micro_batches)
     global_tokens = torch.tensor(local_tokens, device=device, dtype=torch.float64)
     dist.all_reduce(global_tokens)
+    global_tokens /= tp
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     for i, batch in enumerate(micro_batches):
         model.set_requires_gradient_sync(t.sync_each_batch or i == len(micro_batches) - 1)
@@ -94,6 +97,7 @@ def train_step(
     lr = scheduler.get_last_lr()[0]  # this step's
     scheduler.step()
     dist.all_reduce(loss_sum)
+    loss_sum /= tp
     return {
         "loss": (loss_sum / global_tokens).item(),
         "grad_norm": grad_norm,
@@ -118,12 +122,22 @@ def fixed_batch_loss(model, data, device, cp_state: cp.CpState | None, t: TrainC
 def check_config(cfg: Config, world_size: int) -> tuple[int, int, int]:
     """Bad sizes fail here, before any process group or memory: (dp_replicate, dp_shard, dp_size)."""
     p = cfg.parallelism
-    for key in ("ep_size", "tp_size", "sp_size"):
+    for key in ("ep_size", "sp_size"):
         if getattr(p, key) != 1:
             raise ConfigError(
-                f"parallelism.{key} is {getattr(p, key)} but pretrain_fsdp.py has no expert or tensor "
-                f"parallelism; set it to 1 (EP/TP: finetune_moe_ep_fsdp.py)"
+                f"parallelism.{key} is {getattr(p, key)} but pretrain_fsdp.py has no expert or sequence "
+                f"parallelism; set it to 1 (EP: finetune_moe_ep_fsdp.py)"
             )
+    if p.tp_size > 1 and p.cp_size > 1:
+        raise ConfigError(
+            f"parallelism.tp_size ({p.tp_size}) and cp_size ({p.cp_size}) are both > 1, which "
+            f"pretrain_fsdp.py does not combine (CP's attention gathers whole K/V heads); pick one"
+        )
+    if p.tp_size > 1 and cfg.lora.r:
+        raise ConfigError(
+            f"parallelism.tp_size is {p.tp_size} and lora.r is {cfg.lora.r}: PEFT's layers hide the layers "
+            f"the TP plan names; set one of them to its default (tp_size=1 or lora.r=0)"
+        )
     if cfg.fsdp.xla:
         raise ConfigError(
             "fsdp.xla is true, which is the PyTorch/XLA recipe: run scripts/tpu_xla_fsdp.py, or set "
@@ -135,41 +149,42 @@ def check_config(cfg: Config, world_size: int) -> tuple[int, int, int]:
             "only to scripts/tpu_xla_fsdp.py with fsdp.xla=true"
         )
     dp_replicate, dp_shard = resolve_dp_sizes(p, world_size)
-    dp_size = world_size // p.cp_size  # the cp ranks of a data-parallel group share its batch
+    dp_size = world_size // (p.cp_size * p.tp_size)  # the cp and tp ranks of a data-parallel group share it
     check_batch_sizes(cfg.train, dp_size)
     return dp_replicate, dp_shard, dp_size
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv, description=__doc__)
-    t, c, e, seq_len, cp_size = cfg.train, cfg.checkpoint, cfg.eval, cfg.data.seq_len, cfg.parallelism.cp_size
+    t, c, e, p, seq_len = cfg.train, cfg.checkpoint, cfg.eval, cfg.parallelism, cfg.data.seq_len
     dp_replicate, dp_shard, dp_size = check_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
-    if cp_size > 1:  # attention all-gathers K/V over the cp group (common/cp.py)
+    if p.cp_size > 1:  # attention all-gathers K/V over the cp group (common/cp.py)
         cfg.model.attn_implementation = cp.use_cp_attention()
     hf_config = load_model_config(cfg.model, seq_len)
-    cp.check_cp(seq_len, cp_size, True, hf_config)
+    cp.check_cp(seq_len, p.cp_size, True, hf_config)
     model = build_meta_model(hf_config, cfg.model, t.gradient_checkpointing)  # on `meta`: no memory yet
-    resolve_layer_classes(model, cfg.fsdp)  # a bad class name fails before any process group exists
     if cfg.lora.r:  # PEFT's adapters, on `meta`; the base is frozen: no gradient, no optimizer state
         lora.add_adapters(model, cfg.lora, resolve_device(t.device).type)
     loss.compute_loss_in_output_layer(model)  # train.loss_chunk_tokens: no full-vocabulary logits
 
-    # Process group and mesh: 1-D FSDP, or 2-D (dp_replicate, dp_shard) HSDP; with CP, FSDP shards over
-    # dp_shard x cp and each rank trains on its head-tail share of every sequence's positions.
+    # Meshes: FSDP over dp_shard, or HSDP over (dp_replicate, dp_shard); with CP, over dp_shard x cp, each
+    # rank training on its share of every sequence; with TP, over the data-parallel ranks, of TP pieces.
     prepare_diagnostics(cfg)  # NCCL's flight recorder dumps under the run directory on a timeout
-    d = init_distributed(t.device, cfg.parallelism.timeout_minutes)
-    device, mesh = d.device, build_dp_mesh(d.device.type, dp_replicate, dp_shard * cp_size)
-    cp_state = cp.setup(seq_len, cp_size, True, device) if cp_size > 1 else None
+    d, device = init_distributed(t.device, p.timeout_minutes), resolve_device(t.device)
+    mesh, tp_mesh = build_meshes(device.type, dp_replicate, dp_shard * p.cp_size, p.tp_size)
+    cp_state = cp.setup(seq_len, p.cp_size, True, device) if p.cp_size > 1 else None
     torch.manual_seed(t.seed)
 
     # Data before the model, so a missing dataset or tokenizer fails before any memory is allocated. A
-    # data-parallel rank's cp ranks are adjacent (common/cp.py) and read the same batches.
-    dp_rank = d.rank // cp_size
+    # data-parallel rank's cp or tp ranks are adjacent (common/cp.py, common/mesh.py): the same batches.
+    dp_rank = d.rank // (p.cp_size * p.tp_size)
     tokenizer, data = build_batches(cfg.data, t, dp_rank, dp_size, d.is_main, hf_config.vocab_size)
     held_out = held_out_batches(cfg.data, e, tokenizer, dp_rank, dp_size, d.is_main) if e.interval else []
     resume_from = find_resume_checkpoint(c.dir, c.resume, c.verify_checksums)  # rank 0 picks an undamaged one
 
     # Shard first, then allocate: no rank ever holds the full fp32 model.
+    if tp_mesh is not None:  # the model's own Transformers TP plan; FSDP then shards each TP piece
+        apply_tp(model, tp_mesh)
     sharding = apply_fsdp(model, mesh, cfg.fsdp, device.type, compile_layers=t.compile)
     model.to_empty(device=torch.device("cpu") if cfg.fsdp.cpu_offload else device)
     init_buffers(model, device)
@@ -177,22 +192,22 @@ def main(argv: list[str] | None = None) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
     if not resume_from or cfg.lora.r:  # a LoRA checkpoint holds the adapters; the base comes from here
         load_or_init_weights(model, cfg, hf_config.initializer_range)
-    state = {}  # the train_state of the checkpoint resumed from: trained weights, optimizer, scheduler, RNG,
-    if resume_from:  # data position, resharded to this world size
-        state = load_checkpoint(resume_from, model, optimizer, scheduler, data)
+    # Trained weights, optimizer, scheduler, RNG and data position, resharded to this world size.
+    state = load_checkpoint(resume_from, model, optimizer, scheduler, data) if resume_from else {}
     start_step, samples = state.get("step", 0), state.get("samples", 0)  # samples: the data position
 
     logger = MetricsLogger(cfg, d.is_main)
-    details = dict(data=getattr(data, "tokens_path", None), resumed_from=resume_from, start_step=start_step)
+    details = dict(tp_size=p.tp_size, resumed_from=resume_from, start_step=start_step)
     logger.log(model_ready_record(model, device, cfg.fsdp, mesh, **details, **sharding))
     step_log = StepLog(cfg, logger, start_step, device, flops_per_token(model, seq_len))
     score = partial(evaluate, model, held_out, device, cp_state, e.loss_chunk_tokens)  # as eval_cp.py does
     if held_out and start_step == 0:  # the baseline before training: step 0
         step_log.log_eval(0, score())
     stop, background, stopping = StopRules(cfg, start_step, device, state), BackgroundSaves(logger), None
+    train = partial(train_step, model, optimizer, scheduler)
     with step_log, stop, background:
         for step in range(start_step + 1, t.steps + 1):
-            result = train_step(model, optimizer, scheduler, data.micro_batches(samples), device, cp_state, t)
+            result = train(data.micro_batches(samples), device, cp_state, t, p.tp_size)
             samples += t.global_batch_size
             stopping = stop.after_step(step, result["loss"])  # None, or "preempted", "train.stop_after"
             background.finish_if_written()  # a background write that every rank has finished

@@ -3,6 +3,11 @@
 #   sbatch slurm/8node.sh [CONFIG] [key.path=value ...]
 #   sbatch --nodes 2 slurm/8node.sh configs/llama.json train.steps=1000     # fewer nodes: nothing else changes
 #   NETWORK=efa sbatch slurm/8node.sh                                        # AWS EFA presets (see slurm/common.sh)
+#   sbatch slurm/8node.sh configs/llama.json parallelism.tp_size=8          # TP within each node, FSDP across
+#   sbatch slurm/8node.sh configs/llama.json parallelism.dp_replicate_size=8 parallelism.tp_size=2
+#                                            # HSDP x TP: replicas across nodes, tp 2 x dp_shard 4 in each node
+# Tensor parallelism belongs within a node (NVLink): the mesh is (dp_replicate, dp_shard, tp) with tp
+# innermost, so each tp group is adjacent ranks, which torchrun places on one node (docs/sharding.md).
 #SBATCH --job-name=pretrain-fsdp
 #SBATCH --nodes=8
 #SBATCH --ntasks-per-node=1

@@ -123,3 +123,11 @@ def test_hybrid_shard_on_two_nodes_of_two_processes_is_hsdp_and_trains_like_one_
     assert event(records, "model_ready")["mesh"] == {"dp_replicate": 2, "dp_shard": 2}
     assert "dp_replicate_size=2 (nodes) x dp_shard_size=2" in (tmp_path / "node0.log").read_text()
     assert losses(records) == pytest.approx(losses(reference), abs=1e-5)
+
+
+@pytest.mark.parametrize("example", ["transformers_doc.json", "zero2_offload.json"])
+def test_the_shipped_fsdp_config_examples_train(tmp_path, example):
+    """configs/fsdp/ as shipped (the YAML ones run above and in test_config.py and test_tp.py)."""
+    config = os.path.join(REPO, "configs", "fsdp", example)
+    records = pretrain(tmp_path, "train.steps=2", "checkpoint.export=false", "--fsdp-config", config)
+    assert len(losses(records)) == 2

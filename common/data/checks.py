@@ -9,10 +9,10 @@ from collections.abc import Callable, Iterator
 
 from common.config import ConfigError, TrainConfig
 
-Needs = Callable[[dict], str | None]  # what a record lacks, or None
+NEEDS = Callable[[dict], str | None]  # what a record lacks, or None
 
 
-def text_needs(field: str) -> Needs:
+def text_needs(field: str) -> NEEDS:
     def needs(record: dict) -> str | None:
         if isinstance(record.get(field), str):
             return None
@@ -29,7 +29,7 @@ def sft_needs(record: dict) -> str | None:
     return f"has neither 'prompt' and 'completion' nor 'messages' (its keys: {sorted(record)})"
 
 
-def check_records(files: list[str], key: str, needs: Needs | None) -> None:
+def check_records(files: list[str], key: str, needs: NEEDS | None) -> None:
     """Every record of every file parses and has what `needs` asks; `key` names the config key in errors."""
     for path in files:
         for where, record in _records(path, key):

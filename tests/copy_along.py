@@ -3,12 +3,14 @@ modules, by part. The core (common/*.py) is the FSDP lesson; operations (common/
 (common/data/) can be skipped by a reader and replaced by a copier.
 
     python tests/copy_along.py            # the tables docs/layout.md holds (tests/test_layout.py checks them)
+    python tests/copy_along.py --write    # and write them into docs/layout.md
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ["pretrain_fsdp", "finetune_moe_ep_fsdp", "eval_cp", "tpu_xla_fsdp", "estimate_memory"]
@@ -89,3 +91,10 @@ def tables() -> str:
 
 if __name__ == "__main__":
     print(tables())
+    if "--write" in sys.argv[1:]:
+        path = os.path.join(REPO, "docs", "layout.md")
+        with open(path) as f:
+            text = f.read()
+        start, end = text.index("<!-- copy-along -->\n"), text.index("\n<!-- /copy-along -->")
+        with open(path, "w") as f:
+            f.write(text[: start + len("<!-- copy-along -->\n")] + tables() + text[end:])

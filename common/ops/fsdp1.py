@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from common.config import ConfigError
 
 # sharding_strategy -> reshard_after_forward (to-fsdp2's mapping); Accelerate also writes them as 1..5.
-RESHARD = dict(FULL_SHARD=True, SHARD_GRAD_OP=False, NO_SHARD=False, HYBRID_SHARD=True, HYBRID_SHARD_ZERO2=False)
+RESHARD = dict(
+    FULL_SHARD=True, SHARD_GRAD_OP=False, NO_SHARD=False, HYBRID_SHARD=True, HYBRID_SHARD_ZERO2=False
+)
 NUMBERED = dict(enumerate(RESHARD, start=1))
 # Keys with no FSDP2 meaning, dropped with the reason.
 DROPPED = {

@@ -9,7 +9,7 @@ Save includes everything a training run pays: state dict, DCP write + fsync, the
 previous checkpoint (keep_latest=1). Load reads what the page cache still holds, as a restart right after
 a save on the same node would.
 Prints a markdown table of MB/s (min / median / max over repeats) and the ratio to raw, and what the
-checkpoint's manifest (every file's CRC-32, common/integrity.py) costs of a save.
+checkpoint's manifest (every file's XXH3 checksum, common/manifest.py) costs of a save.
 
 Then the training stall: --steps training steps with a checkpoint every --every steps, written
 synchronously (save_checkpoint) or in the background (checkpoint.async_save: BackgroundSaves.start,
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig
 
-from common import integrity
+from common import manifest
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.config import FsdpConfig, ModelConfig
 from common.mesh import build_dp_mesh, init_distributed
@@ -147,7 +147,7 @@ def main() -> None:
     dist.barrier()
 
     results = {"save": [], "load": [], "raw write": []}
-    manifest = []  # seconds each save spends on its manifest: every rank's CRC-32 of its own files
+    checksum_seconds = []  # seconds each save spends on its manifest: every rank's checksums of its own files
     for repeat in range(args.repeats):
         state = {"step": repeat, "samples": 0, "scheduler": scheduler.state_dict(), "data": []}
         results["save"].append(
@@ -155,7 +155,7 @@ def main() -> None:
         )
         path = os.path.join(run_dir, "checkpoints", f"step-{repeat + 1}")
         own = [n for n in os.listdir(path) if n.startswith(f"__{d.rank}_")]
-        manifest.append(timed(lambda: integrity.describe(path, own)))  # as complete_save does, again
+        checksum_seconds.append(timed(lambda: manifest.describe(path, own)))  # as complete_save does, again
         results["load"].append(timed(lambda: load_checkpoint(path, model, optimizer, scheduler)))
         share = ckpt_bytes // d.world_size
         results["raw write"].append(
@@ -177,7 +177,7 @@ def main() -> None:
                 f"| {name} | {rates[0]:,.0f} | {statistics.median(rates):,.0f} | {rates[-1]:,.0f} | "
                 f"{statistics.median(rates) / raw_median:.2f} |"
             )
-        save, sums = statistics.median(results["save"]), statistics.median(manifest)
+        save, sums = statistics.median(results["save"]), statistics.median(checksum_seconds)
         print(
             f"\nThe manifest's checksums (each rank its own files, in parallel): {sums:.3f} s of a "
             f"{save:.3f} s save, {sums / save:.1%} (medians; the save includes them)"

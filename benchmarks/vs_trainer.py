@@ -1,7 +1,7 @@
 """pretrain_fsdp.py against the Transformers Trainer + Accelerate FSDP2, side by side on 2 gloo ranks on CPU.
 
     python benchmarks/vs_trainer.py [--repeats 3] [--steps 30] [--vocab 4096] [--seq 512] [--global-batch 8]
-                                    [--micro-batch 2] [--budget-gib 0] [--tiny]
+                                    [--micro-batch 2] [--budget-gib 0] [--lora R] [--tiny]
 
 Both train the same Llama body (hidden 512, MLP 1536, 8 layers, 8 heads: 27M parameters) with a `--vocab`
 output layer, at `--seq`, on the same rows of the embedded corpus, with the same global batch (2 ranks x
@@ -28,6 +28,7 @@ import os
 import statistics
 import sys
 import tempfile
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -48,13 +49,11 @@ DATA_BYTES = 4_000_000  # enough embedded-corpus rows that no sample repeats
 ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
-LORA: list[str] = []  # --lora R: the adapter settings of both sides (set in main)
-
-
-def ours(steps: int, best: bool, model: dict, seq: int, batch: tuple[int, int]) -> dict:
+def ours(steps: int, best: bool, model: dict, seq: int, batch: tuple[int, int], lora: int = 0) -> dict:
+    """`lora` R > 0: rank-R adapters (alpha 2R) on every linear layer of a frozen base, as the Trainer's."""
     global_batch, micro = batch
     overrides = [
-        *LORA,
+        *([f"lora.r={lora}", f"lora.alpha={2 * lora}"] if lora else []),
         f"model.config={json.dumps(model)}",
         f"data.seq_len={seq}",
         f"data.embedded_max_bytes={DATA_BYTES}",
@@ -77,7 +76,7 @@ def ours(steps: int, best: bool, model: dict, seq: int, batch: tuple[int, int]) 
     }
 
 
-def trainer(steps: int, best: bool, model: dict, seq: int, batch: tuple[int, int]) -> dict:
+def trainer(steps: int, best: bool, model: dict, seq: int, batch: tuple[int, int], lora: int = 0) -> dict:
     global_batch, micro = batch
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
@@ -99,7 +98,7 @@ def trainer(steps: int, best: bool, model: dict, seq: int, batch: tuple[int, int
             f"--timing-warmup={min(WARMUP_STEPS, steps - 1)}",
             f"--out={out}",
             *(["--best"] if best else []),
-            *(f"--lora-{setting.split('=')[0].split('.')[1]}={setting.split('=')[1]}" for setting in LORA),
+            *([f"--lora-r={lora}", f"--lora-alpha={2 * lora}"] if lora else []),
         ]
         run_command(cmd, timeout=3600, extra_env=ENV)
         with open(out) as f:
@@ -156,8 +155,7 @@ def main() -> None:
         help="R > 0: both train rank-R LoRA adapters (alpha 2R) on a frozen base",
     )
     args = parser.parse_args()
-    if args.lora:
-        LORA.extend([f"lora.r={args.lora}", f"lora.alpha={2 * args.lora}"])
+    recipes = {"ours": partial(ours, lora=args.lora), "Trainer": partial(trainer, lora=args.lora)}
     model = dict(MODEL, vocab_size=args.vocab, max_position_embeddings=args.seq)
     seq, batch = args.seq, (args.global_batch, args.micro_batch)
     if args.tiny:
@@ -183,8 +181,8 @@ def main() -> None:
     for best in () if not args.repeats else (False,) if args.tiny else (False, True):
         runs = {"ours": [], "Trainer": []}
         for _ in range(args.repeats):  # alternate, so drift on a noisy machine hits both alike
-            runs["ours"].append(ours(args.steps, best, model, seq, batch))
-            runs["Trainer"].append(trainer(args.steps, best, model, seq, batch))
+            for name, recipe in recipes.items():
+                runs[name].append(recipe(args.steps, best, model, seq, batch))
         median = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
         for name, rs in runs.items():
             speed = median[name]["tokens_per_s"] / median["Trainer"]["tokens_per_s"]
@@ -202,7 +200,7 @@ def main() -> None:
             "| peak RSS GiB / rank by micro-batch |"
         )
         print("|---|---|---|")
-        for name, recipe in (("ours", ours), ("Trainer", trainer)):
+        for name, recipe in recipes.items():
             most = 1 if args.tiny else 256
             largest, peaks = largest_micro_batch(recipe, model, seq, args.budget_gib, most)
             measured = ", ".join(f"{m}: {p:.2f}" for m, p in peaks.items())

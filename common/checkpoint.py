@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from common import integrity
+from common import manifest
 from common.config import ConfigError
 from common.mesh import gather
 from common.weights import move_into_place, save_config
@@ -137,7 +137,7 @@ def complete_save(
     error = _first_on_any_rank(_os_error(errors, root))
     own = [n for n in os.listdir(tmp) if n.startswith(f"__{dist.get_rank()}_")] if error is None else []
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, integrity.describe(tmp, own))
+    dist.all_gather_object(every, manifest.describe(tmp, own))
     if error is None and dist.get_rank() == 0:
         try:
             known = {name: entry for entries in every for name, entry in entries.items()}
@@ -172,7 +172,7 @@ def finish_checkpoint(
     with open(os.path.join(tmp, TRAIN_STATE), "w") as f:
         json.dump(train_state, f)
     save_config(tmp, model_config, tokenizer)
-    integrity.write_manifest(tmp, known)
+    manifest.write_manifest(tmp, known)
     move_into_place(tmp, final)
     best = train_state.get("best", {}).get("step")  # the Trainer keeps the best checkpoint too
     for old in saved_steps(root)[:-keep_latest]:

@@ -10,9 +10,10 @@ import zlib
 
 import torch
 from peft import LoraConfig as PeftLoraConfig
-from peft import get_peft_model_state_dict, inject_adapter_in_model
+from peft import inject_adapter_in_model
 from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from common.config import ConfigError, LoraConfig
@@ -32,7 +33,10 @@ def peft_config(lora: LoraConfig, base_model: str | None = None) -> PeftLoraConf
 
 
 def add_adapters(model: nn.Module, lora: LoraConfig, device_type: str) -> None:
-    """Inject the adapters (still on `meta`: nothing is allocated), freeze the base and give it its dtype."""
+    """Inject the adapters (still on `meta`: nothing is allocated), freeze the base and give it its dtype;
+    with lora.r = 0, nothing."""
+    if not lora.r:
+        return
     try:
         inject_adapter_in_model(peft_config(lora), model)
     except ValueError:  # PEFT's NoMatchingPeftModuleError
@@ -65,8 +69,9 @@ def init_adapters(model: nn.Module, seed: int) -> None:
             continue
         local = param.to_local() if isinstance(param, DTensor) else param
         full = torch.zeros(param.shape, dtype=param.dtype, device=local.device)
-        if ".lora_A." in name:
-            generator = torch.Generator(device=local.device).manual_seed(seed ^ zlib.crc32(name.encode()))
+        if ".lora_A." in name:  # seeded by the name without AC's wrapper: the same with and without AC
+            key = name.replace(_CHECKPOINT_PREFIX, "").encode()
+            generator = torch.Generator(device=local.device).manual_seed(seed ^ zlib.crc32(key))
             bound = 1 / math.sqrt(param.shape[1])  # kaiming_uniform_(a=sqrt(5)) of a [r, in] weight
             full.uniform_(-bound, bound, generator=generator)
         if isinstance(param, DTensor):
@@ -74,12 +79,12 @@ def init_adapters(model: nn.Module, seed: int) -> None:
         local.copy_(full)
 
 
-def write_adapters(
-    model: nn.Module, full: dict, lora: LoraConfig, base_model: str | None, out_dir: str
-) -> None:
+def write_adapters(full: dict, lora: LoraConfig, base_model: str | None, out_dir: str) -> None:
     """PEFT's adapter directory from the gathered adapter weights `full`: adapter_model.safetensors and
     adapter_config.json, which PeftModel.from_pretrained(base, out_dir) loads."""
-    weights = get_peft_model_state_dict(model, state_dict=full)  # PEFT's names, without the adapter's name
+    # PEFT's names, without the adapter's name. Not get_peft_model_state_dict: it finds the adapters by module
+    # name, which AC's wrapper changes, and then exports none (peft 0.21.2; tests/test_lora.py).
+    weights = {k.replace(".default.", "."): v for k, v in full.items() if ADAPTERS in k}
     save_file(
         {f"base_model.model.{k}": v.contiguous() for k, v in weights.items()},
         f"{out_dir}/adapter_model.safetensors",

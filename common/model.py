@@ -13,20 +13,13 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 from transformers.utils import logging as hf_logging
 
-from common import integrity
 from common.config import ConfigError, ModelConfig
 
 
-def load_model_config(
-    cfg: ModelConfig, seq_len: int | None = None, check_files: bool = True
-) -> PretrainedConfig:
-    """model.config or model.name_or_path's config; warns if seq_len exceeds its positions. `check_files`: a
-    local model directory must be whole (common/integrity.py), checked on every rank before any work."""
+def load_model_config(cfg: ModelConfig, seq_len: int | None = None) -> PretrainedConfig:
+    """model.config or model.name_or_path's config; warns if seq_len exceeds its positions."""
     # Weights load and export once per run, on every rank: Transformers' progress bars would bury the log.
     hf_logging.disable_progress_bar()
-    if check_files and cfg.name_or_path and os.path.isdir(cfg.name_or_path):
-        if problem := integrity.model_dir_damage(cfg.name_or_path):
-            raise ConfigError(f"model.name_or_path {cfg.name_or_path!r} is damaged: {problem}")
     hf_config = _read_model_config(cfg)
     # No KV cache in training or evaluation: it costs memory, and with one Transformers stops detecting
     # packed sequences from restarting position ids.

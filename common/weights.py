@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import AutoModelForCausalLM
 
-from common import integrity, lora
+from common import lora, manifest
 from common.config import Config, resolve_mixed_precision
 from common.model import init_weights
 
@@ -29,8 +29,8 @@ def save_config(out_dir: str, model_config, tokenizer) -> None:
 
 
 def finish_export(tmp: str, out_dir: str) -> None:
-    """One process: the manifest (files, sizes, checksums: common/integrity.py), then the rename."""
-    integrity.write_manifest(tmp)
+    """One process: the manifest (files, sizes, checksums: common/manifest.py), then the rename."""
+    manifest.write_manifest(tmp)
     move_into_place(tmp, out_dir)
 
 
@@ -129,7 +129,7 @@ def export_lora(model: nn.Module, cfg: Config, out_dir: str, tokenizer, dtype: t
             )
         else:
             os.makedirs(tmp)
-            lora.write_adapters(model, full, cfg.lora, cfg.model.name_or_path, tmp)
+            lora.write_adapters(full, cfg.lora, cfg.model.name_or_path, tmp)
             save_config(tmp, model.generation_config, tokenizer)
             plain_modes(tmp)
         finish_export(tmp, out_dir)

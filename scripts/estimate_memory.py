@@ -137,7 +137,7 @@ def shard_on_meta(cfg: Config, recipe: str, world_size: int, device_type: str) -
     checked = script.check_config(cfg, world_size) if recipe != "moe" else None
     if recipe == "eval" or cp_size > 1:  # as the scripts' main() do; the planner runs the all-gather one
         cfg.model.attn_implementation = cp.use_cp_attention()
-    hf_config = load_model_config(cfg.model, cfg.data.seq_len, check_files=False)  # architectures only
+    hf_config = load_model_config(cfg.model, cfg.data.seq_len)
     model = build_meta_model(hf_config, cfg.model, t.gradient_checkpointing)
     if recipe == "pretrain" and cfg.lora.r:  # as pretrain_fsdp.py's main() does
         lora.add_adapters(model, cfg.lora, device_type)
@@ -411,7 +411,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
 def main(argv: list[str] | None = None) -> None:
     args, cfg = parse(argv)
     offline_model(cfg)
-    recipe = pick_recipe(args.recipe, args.config, cfg, load_model_config(cfg.model, check_files=False))
+    recipe = pick_recipe(args.recipe, args.config, cfg, load_model_config(cfg.model))
     cfg.train.compile = False
     isolate_sharding_propagation()
     route_tokens_evenly()

@@ -67,9 +67,9 @@ def check_config(cfg: Config, world_size: int) -> str:
     attention = e.attention
     on_cuda = resolve_device(cfg.train.device).type == "cuda"
     # SFT rows pack examples that must not attend to each other, as data.document_mask keeps documents apart.
-    documents = cfg.data.document_mask or is_sft(
-        cfg.data.eval_dataset or cfg.data.dataset, cfg.data.text_field
-    )
+    data = cfg.data
+    source, split = (data.eval_dataset, data.eval_split) if data.eval_dataset else (data.dataset, data.split)
+    documents = data.document_mask or is_sft(source, data.text_field, split)
     if attention == "auto":
         attention = "torch_cp" if on_cuda and p.cp_size > 1 and not documents else "allgather"
     if attention == "torch_cp" and documents:

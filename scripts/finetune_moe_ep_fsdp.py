@@ -56,7 +56,7 @@ from common.ops.async_save import BackgroundSaves
 from common.ops.cli import parse_args, run_cli
 from common.ops.metrics import MetricsLogger, StepLog, checkpoint_record, final_record, model_ready_record
 from common.ops.profiling import prepare_diagnostics
-from common.ops.run_dir import find_resume_checkpoint
+from common.ops.run_dir import find_resume_checkpoint, load_or_set_aside
 from common.ops.stopping import StopRules
 from common.optim import build_optimizer, clip_grad_norm_, lr_multiplier
 from common.weights import export_final, load_or_init_weights
@@ -251,11 +251,10 @@ def main(argv: list[str] | None = None) -> None:
     init_buffers(model, device)
     optimizer = build_optimizer(model, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
-    state = {}  # the train_state of the checkpoint this run resumes from
-    if resume_from:  # weights, optimizer, scheduler and RNG, resharded to this world size
-        state = load_checkpoint(resume_from, model, optimizer, scheduler)
-    else:
+    if not resume_from:
         load_or_init_weights(model, cfg, hf_config.initializer_range)
+    # Weights, optimizer, scheduler and RNG, resharded to this world size; its train_state.
+    resume_from, state = load_or_set_aside(resume_from, c, load_checkpoint, model, optimizer, scheduler)
     start_step, samples = state.get("step", 0), state.get("samples", 0)  # samples: the data position
     loss_fn = MoeLoss(model, aux_loss_fn, num_experts, t, sizes.tp)
 

@@ -44,12 +44,12 @@ from common.ops.metrics import (
     model_ready_record,
 )
 from common.ops.profiling import prepare_diagnostics
-from common.ops.run_dir import find_resume_checkpoint
+from common.ops.run_dir import find_resume_checkpoint, load_or_set_aside
 from common.ops.stopping import StopRules
 from common.optim import build_optimizer, clip_grad_norm_, lr_multiplier
 from common.tp import apply_tp
 from common.weights import export_final, load_or_init_weights
-from common.wrap import apply_fsdp
+from common.wrap import apply_fsdp, resolve_layer_classes
 
 
 def token_loss_sum(
@@ -163,8 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     hf_config = load_model_config(cfg.model, seq_len)
     cp.check_cp(seq_len, p.cp_size, True, hf_config)
     model = build_meta_model(hf_config, cfg.model, t.gradient_checkpointing)  # on `meta`: no memory yet
-    if cfg.lora.r:  # PEFT's adapters, on `meta`; the base is frozen: no gradient, no optimizer state
-        lora.add_adapters(model, cfg.lora, resolve_device(t.device).type)
+    resolve_layer_classes(model, cfg.fsdp)  # a bad class name fails before any process group exists
+    lora.add_adapters(model, cfg.lora, resolve_device(t.device).type)  # lora.r > 0: PEFT's; the base frozen
     loss.compute_loss_in_output_layer(model)  # train.loss_chunk_tokens: no full-vocabulary logits
 
     # Meshes: FSDP over dp_shard, or HSDP over (dp_replicate, dp_shard); with CP, over dp_shard x cp, each
@@ -193,14 +193,14 @@ def main(argv: list[str] | None = None) -> None:
     if not resume_from or cfg.lora.r:  # a LoRA checkpoint holds the adapters; the base comes from here
         load_or_init_weights(model, cfg, hf_config.initializer_range)
     # Trained weights, optimizer, scheduler, RNG and data position, resharded to this world size.
-    state = load_checkpoint(resume_from, model, optimizer, scheduler, data) if resume_from else {}
+    resume_from, state = load_or_set_aside(resume_from, c, load_checkpoint, model, optimizer, scheduler, data)
     start_step, samples = state.get("step", 0), state.get("samples", 0)  # samples: the data position
 
     logger = MetricsLogger(cfg, d.is_main)
     details = dict(tp_size=p.tp_size, resumed_from=resume_from, start_step=start_step)
     logger.log(model_ready_record(model, device, cfg.fsdp, mesh, **details, **sharding))
     step_log = StepLog(cfg, logger, start_step, device, flops_per_token(model, seq_len))
-    score = partial(evaluate, model, held_out, device, cp_state, e.loss_chunk_tokens)  # as eval_cp.py does
+    score = partial(evaluate, model, held_out, device, cp_state, e.loss_chunk_tokens, replicas=p.tp_size)
     if held_out and start_step == 0:  # the baseline before training: step 0
         step_log.log_eval(0, score())
     stop, background, stopping = StopRules(cfg, start_step, device, state), BackgroundSaves(logger), None

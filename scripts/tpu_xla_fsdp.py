@@ -41,7 +41,7 @@ from common.data.checks import check_vocab_size
 from common.model import build_meta_model, init_buffers, init_weights, load_model_config
 from common.ops.cli import parse_args, run_cli
 from common.ops.metrics import MetricsLogger, StepLog, checkpoint_record, flops_per_token
-from common.ops.run_dir import find_resume_checkpoint
+from common.ops.run_dir import find_resume_checkpoint, load_or_set_aside
 from common.ops.stopping import StopRules
 from common.optim import NonFiniteGradients, build_optimizer, lr_multiplier
 from common.weights import finish_export, is_sharded_export, prepare_for_generation, write_hf_directory
@@ -381,10 +381,8 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = build_optimizer(model, cfg, torch_xla.device())  # foreach AdamW on the XLA tensors
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
     resume_from = find_resume_checkpoint(c.dir, c.resume, c.verify_checksums)
-    start_step, samples = 0, 0
-    if resume_from:
-        state = load_checkpoint(resume_from, model, optimizer, scheduler, data)
-        start_step, samples = state["step"], state["samples"]
+    resume_from, state = load_or_set_aside(resume_from, c, load_checkpoint, model, optimizer, scheduler, data)
+    start_step, samples = state.get("step", 0), state.get("samples", 0)
 
     logger = MetricsLogger(cfg, is_main)  # also writes run_config.json
     units = dict(fsdp_units=len(wrapped) + 1, checkpointed_layers=len(checkpointed), devices=num_devices)

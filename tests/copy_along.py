@@ -15,6 +15,8 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ["pretrain_fsdp", "finetune_moe_ep_fsdp", "eval_cp", "tpu_xla_fsdp", "estimate_memory"]
 PARTS = {"ops": "operations", "data": "data"}  # common/<folder>/; everything else in common/ is the core
+# Core modules of the features that came after the restructure ("copy the lesson"), each its own module.
+ADDED_SINCE = ("common/evaluate.py", "common/lora.py", "common/manifest.py", "common/tp.py")
 
 
 def module_path(name: str) -> str | None:
@@ -82,6 +84,15 @@ def tables() -> str:
         rows.append(f"| `{script}.py` | {' | '.join(str(counts[k]) for k in counts)} |")
         for path in closure(f"scripts/{script}.py"):
             users.setdefault(path, []).append(script)
+    core = by_part("pretrain_fsdp")["core"]
+    added = {os.path.basename(path): lines(path) for path in ADDED_SINCE}
+    rows += [
+        "",
+        f"`pretrain_fsdp.py`'s core: {core - sum(added.values())} lines of the lesson, plus "
+        f"{sum(added.values())} of the features added since, each a module of its own: "
+        + ", ".join(f"`{name}` {n}" for name, n in added.items())
+        + ".",
+    ]
     rows += ["", "| module | part | lines | imported by |", "|---|---|---|---|"]
     for path in common_modules():
         who = ", ".join(users.get(path, [])) or "tests only"

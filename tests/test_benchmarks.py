@@ -19,8 +19,7 @@ from launch import REPO, env, free_port
         ["cp_memory.py", "--tiny"],
         ["roofline.py", "--tiny"],
         ["loss_chunks.py", "--tiny"],
-        ["vs_trainer.py", "--tiny", "--budget-gib", "8"],
-        ["vs_trainer.py", "--tiny", "--lora", "4"],
+        ["vs_trainer.py", "--tiny", "--budget-gib", "8", "--lora", "4"],  # LoRA on both sides, and the search
         ["reshard_rule.py", "--tiny"],
         ["ac_policy.py", "--tiny"],
         ["gpu_bench.py", "{tmp}", "--tiny"],
@@ -57,3 +56,4 @@ def test_checkpoint_speed_runs_under_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "| save |" in proc.stdout and "| load |" in proc.stdout
     assert "| sync |" in proc.stdout and "| async |" in proc.stdout
+    assert "The manifest's checksums (each rank its own files, in parallel): " in proc.stdout

@@ -178,7 +178,7 @@ BAD_INPUTS = {
         "make it a multiple of 4",
     ),
     "mesh": (["parallelism.dp_replicate_size=2"], "does not cover the world size 1"),
-    "tp_in_pretrain": (["parallelism.tp_size=2"], "parallelism.tp_size is 2"),
+    "tp_world": (["parallelism.tp_size=2"], "parallelism.tp_size=2 does not divide the world size 1"),
     "layer_class": (
         ['fsdp.transformer_layer_cls_to_wrap=["LlamaBlock"]'],
         "its classes are:.*LlamaDecoderLayer",

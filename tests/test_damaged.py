@@ -172,6 +172,29 @@ def test_auto_moves_a_damaged_checkpoint_aside_and_resumes_from_the_one_before(t
     assert all((ours[k] == theirs[k]).all() for k in theirs)  # bit-identical to resuming at step 2
 
 
+def test_auto_sets_aside_a_checkpoint_that_fails_to_load_and_loads_the_one_before(tmp_path, straight):
+    """No manifest to catch it (written before manifests), and a train_state.json that no longer parses:
+    the checks pass, the load fails on every rank, and auto falls back as for a damaged file."""
+    ref_dir, ref = straight
+    first = pretrain(tmp_path, *SIX, "train.stop_after=4")
+    newest = tmp_path / "checkpoints" / "step-4"
+    os.remove(newest / "manifest.json")
+    with open(newest / "train_state.json", "r+b") as f:
+        f.write(b"x")  # the same size: only loading it shows the damage
+    proc = run("pretrain_fsdp.py", ["--config", TINY, f"checkpoint.dir={tmp_path}", *SIX], nproc=2)
+    aside = tmp_path / "checkpoints" / "damaged" / "step-4"
+    assert proc.stdout.count("checkpoint: step-4 could not be loaded (JSONDecodeError: ") == 1
+    assert f"moved it to {aside}" in proc.stdout and (aside / "train_state.json").exists()
+    resumed = read_metrics(tmp_path)[len(first) :]
+    assert event(resumed, "model_ready")["start_step"] == 2
+    assert losses(resumed) == losses(ref)[2:]
+    ours, theirs = (
+        load_file(tmp_path / "export" / "model.safetensors"),
+        load_file(ref_dir / "export" / "model.safetensors"),
+    )
+    assert all((ours[k] == theirs[k]).all() for k in theirs)  # bit-identical to resuming at step 2
+
+
 def test_an_explicit_damaged_resume_is_one_line_and_a_checkpoint_without_manifest_still_loads(
     tmp_path, straight
 ):

@@ -40,6 +40,7 @@ def test_full_export_loads_in_transformers_with_identical_outputs(tmp_path):
     assert sorted(os.listdir(export)) == [
         "config.json",
         "generation_config.json",
+        "manifest.json",
         "model.safetensors",
         "tokenizer.json",
         "tokenizer_config.json",

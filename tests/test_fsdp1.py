@@ -12,7 +12,7 @@ import yaml
 
 from common.ops.config_sources import load_config
 from common.ops.fsdp1 import Translation
-from launch import REPO, TINY, env, event, free_port, losses, pretrain, read_metrics
+from launch import REPO, TINY, env, event, free_port, losses, pretrain, read_metrics, run
 
 FSDP1_YAML = os.path.join(REPO, "configs", "fsdp", "accelerate_fsdp1.yaml")
 # (FSDP1 value, reshard_after_forward, HSDP over the nodes)
@@ -25,18 +25,33 @@ TABLE = [
     (2, False, False),  # Accelerate's numbers: 2 is SHARD_GRAD_OP
 ]
 LAUNCHER = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}  # 2 nodes x 2 processes
+ALL_DROPPED = (
+    "dropped (no FSDP2 meaning): backward_prefetch, forward_prefetch, sync_module_states, use_orig_params"
+)
 
 
-def translated(source: str, value, tmp_path) -> tuple:
-    """(cfg, the one line) after giving sharding_strategy=value and the dropped keys through `source`."""
-    fsdp1 = {"sharding_strategy": value, "backward_prefetch": "BACKWARD_PRE", "use_orig_params": True}
+def accelerate_launch_environment(yaml_path: str) -> dict:
+    """The environment `accelerate launch --config_file yaml_path` gives the script, built by Accelerate's
+    own launcher code (it also exports defaults the YAML never set, such as FSDP_VERSION=1)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", yaml_path, "train.py"])
+    return prepare_multi_gpu_env(_validate_launch_command(args)[0])
+
+
+def translated(source: str, value, tmp_path, key: str = "sharding_strategy") -> tuple:
+    """(cfg, the one line) after giving `key`=value and the dropped keys through `source`."""
+    fsdp1 = {key: value, "backward_prefetch": "BACKWARD_PRE", "use_orig_params": True}
     environ, kwargs = dict(LAUNCHER), {}
-    if source == "yaml":
+    if source in ("yaml", "launch environment"):
         doc = {"distributed_type": "FSDP", "fsdp_config": {f"fsdp_{k}": v for k, v in fsdp1.items()}}
+        doc |= {"num_processes": 4, "use_cpu": True}
         (tmp_path / "acc.yaml").write_text(yaml.safe_dump(doc))
-        kwargs["accelerate_config"] = str(tmp_path / "acc.yaml")
-    elif source == "launch environment":
-        environ |= {"ACCELERATE_USE_FSDP": "true", **{f"FSDP_{k.upper()}": str(v) for k, v in fsdp1.items()}}
+        if source == "yaml":
+            kwargs["accelerate_config"] = str(tmp_path / "acc.yaml")
+        else:
+            environ |= accelerate_launch_environment(str(tmp_path / "acc.yaml"))
     elif source == "fsdp_config json":
         (tmp_path / "fsdp.json").write_text(json.dumps({f"fsdp_{k}": v for k, v in fsdp1.items()}))
         kwargs["fsdp_config"] = str(tmp_path / "fsdp.json")
@@ -57,8 +72,61 @@ def test_each_fsdp1_sharding_strategy_becomes_its_fsdp2_keys(tmp_path, source, v
     assert f"sharding_strategy={name} -> reshard_after_forward={str(reshard).lower()}" in line
     if hybrid:
         assert "parallelism.dp_replicate_size=2 (nodes) x dp_shard_size=2" in line
-    if source != "key=value":
+    if source == "launch environment":  # Accelerate exports these two whatever the YAML says
+        assert line.endswith(ALL_DROPPED)
+    elif source != "key=value":
         assert line.endswith("dropped (no FSDP2 meaning): backward_prefetch, use_orig_params")
+
+
+@pytest.mark.parametrize("source", ["yaml", "launch environment", "fsdp_config json", "key=value"])
+def test_an_fsdp1_strategy_in_reshard_after_forward_is_translated_too(tmp_path, source):
+    """`accelerate config` now writes FSDP1 as fsdp_version 1 with the strategy in fsdp_reshard_after_forward,
+    and `accelerate launch` then exports FSDP_SHARDING_STRATEGY=FULL_SHARD beside it: the chosen one wins."""
+    cfg, line = translated(source, "SHARD_GRAD_OP", tmp_path, key="reshard_after_forward")
+    assert cfg.fsdp.reshard_after_forward is False and cfg.fsdp.version == 2
+    assert "=SHARD_GRAD_OP -> reshard_after_forward=false" in line
+
+
+@pytest.mark.parametrize("source", ["yaml", "launch environment", "fsdp_config json"])
+def test_every_common_fsdp1_key_becomes_its_fsdp2_key_or_is_dropped(tmp_path, source):
+    fsdp1 = {
+        "version": 1,
+        "sharding_strategy": "SHARD_GRAD_OP",
+        "offload_params": True,
+        "auto_wrap_policy": "SIZE_BASED_WRAP",
+        "min_num_params": 12345,
+        "backward_prefetch": "BACKWARD_PRE",
+        "forward_prefetch": True,
+        "use_orig_params": True,
+        "sync_module_states": True,
+        "state_dict_type": "SHARDED_STATE_DICT",
+        "activation_checkpointing": True,
+    }
+    environ, kwargs = dict(LAUNCHER), {}
+    if source == "fsdp_config json":
+        (tmp_path / "fsdp.json").write_text(json.dumps({f"fsdp_{k}": v for k, v in fsdp1.items()}))
+        kwargs["fsdp_config"] = str(tmp_path / "fsdp.json")
+    else:
+        doc = {"distributed_type": "FSDP", "fsdp_config": {f"fsdp_{k}": v for k, v in fsdp1.items()}}
+        (tmp_path / "acc.yaml").write_text(yaml.safe_dump(doc | {"num_processes": 4, "use_cpu": True}))
+        if source == "yaml":
+            kwargs["accelerate_config"] = str(tmp_path / "acc.yaml")
+        else:
+            environ |= accelerate_launch_environment(str(tmp_path / "acc.yaml"))
+    translation = Translation()
+    f = load_config(TINY, [], environ=environ, translation=translation, **kwargs).fsdp
+    assert (f.version, f.reshard_after_forward, f.cpu_offload, f.auto_wrap_policy) == (
+        2,
+        False,
+        True,
+        "SIZE_BASED_WRAP",
+    )
+    assert (f.min_num_params, f.state_dict_type, f.activation_checkpointing) == (
+        12345,
+        "SHARDED_STATE_DICT",
+        True,
+    )
+    assert translation.line().endswith(ALL_DROPPED)
 
 
 def test_keys_that_cannot_be_translated_are_one_error_and_version_1_stays_one():
@@ -71,33 +139,28 @@ def test_keys_that_cannot_be_translated_are_one_error_and_version_1_stays_one():
     assert translation.line() == "config: dropped (no FSDP2 meaning): ignored_modules"
 
 
-def test_the_shipped_fsdp1_accelerate_yaml_trains_and_records_the_translation(tmp_path):
+@pytest.mark.compat
+def test_the_shipped_fsdp1_accelerate_yaml_trains_under_accelerate_launch_and_records_the_translation(
+    tmp_path,
+):
+    """As a user runs it: `accelerate launch --config_file accelerate_fsdp1.yaml`, whose environment says
+    FSDP_VERSION=1 and FSDP_RESHARD_AFTER_FORWARD=true beside the FSDP1 keys."""
     plain = pretrain(tmp_path / "plain", "train.steps=2", "checkpoint.export=false")  # the FSDP2 defaults
     translated_dir = tmp_path / "translated"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        os.path.join(REPO, "scripts", "pretrain_fsdp.py"),
-        "--config",
-        TINY,
-        "--accelerate-config",
-        FSDP1_YAML,
-        f"checkpoint.dir={translated_dir}",
-        "train.steps=2",
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("config: FSDP1 keys translated: fsdp_sharding_strategy=FULL_SHARD") == 1
-    assert (
-        "dropped (no FSDP2 meaning): backward_prefetch, forward_prefetch, sync_module_states" in proc.stdout
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", FSDP1_YAML]
+    launcher += ["--main_process_port", str(free_port())]
+    proc = run(
+        "pretrain_fsdp.py",
+        ["--config", TINY, f"checkpoint.dir={translated_dir}", "train.steps=2"],
+        launcher=launcher,
+        timeout=300,
     )
+    assert proc.stdout.count("sharding_strategy=FULL_SHARD -> reshard_after_forward=true") == 1
+    assert ALL_DROPPED in proc.stdout
     with open(translated_dir / "run_config.json") as f:
         fsdp = json.load(f)["fsdp"]
     assert fsdp["reshard_after_forward"] is True and fsdp["state_dict_type"] == "SHARDED_STATE_DICT"
-    assert fsdp["cpu_ram_efficient_loading"] is True
+    assert fsdp["cpu_ram_efficient_loading"] is True and fsdp["version"] == 2
     assert losses(read_metrics(translated_dir)) == pytest.approx(losses(plain), abs=1e-5)
 
 

@@ -48,24 +48,48 @@ def adapters(checkpoint) -> dict:
     return state
 
 
+HSDP = ["parallelism.dp_replicate_size=2", "parallelism.dp_shard_size=2"]
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory, base):
     run_dir = tmp_path_factory.mktemp("lora1")
     return run_dir, pretrain(run_dir, *lora_args(base), nproc=0)
 
 
+@pytest.fixture(scope="module")
+def four_ranks_merged(tmp_path_factory, base):
+    """4 ranks exporting the merged model: every rank's share of the adapters folded into the base."""
+    run_dir = tmp_path_factory.mktemp("lora4")
+    return run_dir, pretrain(run_dir, *lora_args(base, "lora.merge_on_export=true"), nproc=4)
+
+
 @pytest.mark.parametrize(
     "nproc,overrides",
-    [(2, []), (4, ["lora.merge_on_export=true"]), (4, ["parallelism.cp_size=2"])],
-    ids=["2ranks", "4ranks-merged-export", "dp2xcp2"],
+    [
+        pytest.param(2, [], marks=pytest.mark.compat),
+        (4, "merged"),
+        (4, ["parallelism.cp_size=2"]),
+        (4, [*HSDP, "fsdp.activation_checkpointing=true"]),
+    ],
+    ids=["2ranks", "4ranks-merged-export", "dp2xcp2", "hsdp2x2-ac"],
 )
-def test_lora_on_any_layout_equals_one_process(tmp_path, base, one_process, nproc, overrides):
+def test_lora_on_any_layout_equals_one_process(request, tmp_path, base, one_process, nproc, overrides):
     ref_dir, ref = one_process
-    records = pretrain(tmp_path, *lora_args(base, *overrides), nproc=nproc)
+    if overrides == "merged":
+        tmp_path, records = request.getfixturevalue("four_ranks_merged")
+    else:
+        records = pretrain(tmp_path, *lora_args(base, *overrides), nproc=nproc)
     assert losses(records) == pytest.approx(losses(ref), abs=1e-5)
     ours, theirs = adapters(tmp_path / "checkpoints" / "step-6"), adapters(ref_dir / "checkpoints" / "step-6")
     assert ours.keys() == theirs.keys() and all(".lora_" in k for k in ours)
     assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 1e-5
+    if overrides == []:  # accelerate#4206: the adapter export of 2 ranks holds every rank's share, exactly
+        exported = load_file(tmp_path / "export" / "adapter_model.safetensors")
+        peft_name = lambda k: "base_model.model." + k.removeprefix("model.").replace(".default", "")  # noqa: E731
+        trained = {peft_name(k): v for k, v in ours.items()}
+        assert exported.keys() == trained.keys()
+        assert all(torch.equal(exported[k], trained[k]) for k in exported)
 
 
 def test_only_the_adapters_train_and_hold_state_and_gradients(tmp_path, base, one_process):
@@ -175,19 +199,24 @@ def fixed_batch(base: str):
     return build_batches(cfg.data, cfg.train, 0, 1, is_main=True)[1].fixed_batch(cfg.train.micro_batch_size)
 
 
-def batch_loss(model, batch) -> float:
+def batch_logits(model, batch) -> torch.Tensor:
     with torch.no_grad():  # no KV cache: it would switch off Transformers' packed-sequence masks
-        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+        return model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+
+
+def batch_loss(model, batch) -> float:
+    logits = batch_logits(model, batch)
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.labels.flatten()).item()
 
 
-def test_peft_and_transformers_load_the_exports_with_the_trained_outputs(tmp_path, base, one_process):
+def test_peft_and_transformers_load_the_exports_with_the_trained_outputs(
+    base, one_process, four_ranks_merged
+):
     """The adapter export (trained on 1 process) through PeftModel.from_pretrained, and the merged export
     (trained on 4 ranks: every rank's share of the adapters) through plain from_pretrained, give the trained
     model's fixed-batch loss, and not the base's."""
     run_dir, records = one_process
-    merged_dir = tmp_path / "merged"
-    merged_records = pretrain(merged_dir, *lora_args(base, "lora.merge_on_export=true"), nproc=4)
+    merged_dir, merged_records = four_ranks_merged
     batch = fixed_batch(base)
     peft_model = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(base), str(run_dir / "export")
@@ -204,7 +233,31 @@ def test_peft_and_transformers_load_the_exports_with_the_trained_outputs(tmp_pat
         event(merged_records, "final")["fixed_batch_loss"], abs=1e-5
     )
     assert batch_loss(merged.eval(), batch) == pytest.approx(trained, abs=1e-5)
+    torch.testing.assert_close(
+        batch_logits(peft_model, batch), batch_logits(merged, batch), rtol=0, atol=1e-5
+    )
     assert abs(batch_loss(AutoModelForCausalLM.from_pretrained(base).eval(), batch) - trained) > 1e-3
+
+
+def test_the_cuda_default_a_bf16_base_composes_with_mixed_precision_ac_hsdp_and_compile(tmp_path, base):
+    """As on a GPU: the frozen base in bf16 beside fp32 adapters in the same FSDP units, bf16 compute,
+    activation checkpointing, HSDP 2 x 2 and compiled layers. The base is stored in bf16 (2 bytes a
+    weight), the adapters and their AdamW state in fp32, and PEFT loads the export."""
+    bf16 = ['fsdp.mixed_precision={"param_dtype": "bfloat16", "reduce_dtype": "float32"}']
+    bf16 += ["lora.base_dtype=bfloat16", "fsdp.activation_checkpointing=true", "train.compile=true", *HSDP]
+    records = pretrain(tmp_path, *lora_args(base, *bf16, "train.steps=3"), nproc=4, timeout=600)
+    ready, final = event(records, "model_ready"), event(records, "final")
+    trainable, frozen = ready["trainable_params"], ready["params"] - ready["trainable_params"]
+    for state in final["state_bytes_per_rank"]:  # sharded over dp_shard 2
+        assert state["param_bytes"] == (2 * frozen + 4 * trainable) // 2
+        assert state["optimizer_bytes"] == 2 * 4 * trainable // 2
+    assert all(b < a for a, b in zip(losses(records), losses(records)[1:]))  # it learns
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base), str(tmp_path / "export")
+    )
+    assert batch_loss(peft_model.eval(), fixed_batch(base)) == pytest.approx(
+        final["fixed_batch_loss"], abs=0.05
+    )  # fp32 here against bf16 compute in training
 
 
 def test_bad_lora_input_is_one_line_and_exit_2(tmp_path, base):
@@ -239,3 +292,21 @@ def test_lora_without_a_pretrained_model_warns_once(tmp_path):
     )
     assert proc.stderr.count("the adapters train on a randomly initialised, frozen base") == 1
     assert read_metrics(tmp_path)[-1]["event"] == "exported"
+
+
+def test_debug_lora_without_the_quickstart_export_says_to_run_the_quickstart_first(tmp_path):
+    missing = tmp_path / "runs" / "debug_llama" / "export"
+    args = [
+        "--config",
+        os.path.join(REPO, "configs", "debug_lora.json"),
+        f"checkpoint.dir={tmp_path / 'run'}",
+    ]
+    proc = run(
+        "pretrain_fsdp.py",
+        [*args, f"model.name_or_path={missing}", f"data.tokenizer={missing}"],
+        nproc=0,
+        check=False,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "it is the export of a run not trained here yet" in lines[0] and "quickstart command" in lines[0]

@@ -292,6 +292,13 @@ def test_layout_errors_name_the_key_and_the_fix(sizes, world, message):
         moe_script().check_config(cfg, world, model)
 
 
+def test_lora_is_refused_with_the_reason():
+    cfg = load_config(MOE, ["lora.r=4"])
+    model = build_meta_model(load_model_config(cfg.model), cfg.model)
+    with pytest.raises(ConfigError, match="finetune_moe_ep_fsdp.py does not train adapters: PEFT's layers"):
+        moe_script().check_config(cfg, 1, model)
+
+
 def test_a_dense_model_is_refused():
     cfg = load_config(MOE)
     with torch.device("meta"):

@@ -4,6 +4,7 @@ exports that plain Transformers loads, and Accelerate's TP + HSDP template under
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -14,7 +15,13 @@ from common.data.batches import build_batches
 from common.ops.config_sources import load_config
 from launch import REPO, TINY, estimate, event, free_port, losses, pretrain, read_metrics, run, steps
 
-STEPS = ["train.steps=4", "train.micro_batch_size=1", "checkpoint.interval=2"]  # 2 or 4 micro-batches a step
+STEPS = ["train.steps=4", "train.micro_batch_size=1", "checkpoint.interval=2"]  # 2 to 8 micro-batches a step
+STEPS += ["eval.interval=2", "data.eval_dataset=embedded", "eval.max_sequences=4", "eval.batch_size=2"]
+SIX = [*STEPS, "train.steps=6", "checkpoint.interval=3", "eval.interval=3"]  # for 3 + 3 = 6
+
+
+def evals(records: list[dict]) -> list[tuple]:
+    return [(r["step"], r["tokens"], r["eval_loss"]) for r in records if r.get("event") == "eval"]
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +33,7 @@ def one_process(tmp_path_factory):
 @pytest.mark.parametrize(
     "nproc,overrides",
     [
-        (2, ["parallelism.tp_size=2"]),
+        pytest.param(2, ["parallelism.tp_size=2"], marks=pytest.mark.compat),
         (4, ["parallelism.tp_size=2"]),  # fsdp 2 x tp 2
         (8, ["parallelism.dp_replicate_size=2", "parallelism.dp_shard_size=2", "parallelism.tp_size=2"]),
     ],
@@ -36,7 +43,14 @@ def test_tensor_parallel_layouts_equal_one_process(tmp_path, one_process, nproc,
     ref_dir, ref = one_process
     records = pretrain(tmp_path, *STEPS, *overrides, nproc=nproc, timeout=600)
     assert event(records, "model_ready")["tp_size"] == 2
+    # TP really splits the layers: each rank holds about 1/(dp_shard x tp) of the state, not 1/dp_shard
+    dp_shard = 2 if nproc > 2 else 1
+    state = max(sum(rank.values()) for rank in event(records, "final")["state_bytes_per_rank"])
+    assert state < 0.6 * sum(event(ref, "final")["state_bytes_per_rank"][0].values()) / dp_shard
     assert losses(records) == pytest.approx(losses(ref), abs=1e-5)
+    ours, theirs = evals(records), evals(ref)  # steps 0, 2 and 4; each token counted once
+    assert [e[:2] for e in ours] == [e[:2] for e in theirs] and len(theirs) == 3
+    assert [e[2] for e in ours] == pytest.approx([e[2] for e in theirs], abs=1e-5)
     norms = [r["grad_norm"] for r in steps(records)]
     assert norms == pytest.approx([r["grad_norm"] for r in steps(ref)], abs=1e-5)
     ours, theirs = (
@@ -47,17 +61,16 @@ def test_tensor_parallel_layouts_equal_one_process(tmp_path, one_process, nproc,
     assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 1e-5
 
 
-def test_tp_checkpoints_resume_exactly_and_on_another_layout_and_export_for_transformers(
-    tmp_path, one_process
-):
-    _, ref = one_process
-    first = pretrain(tmp_path / "tp", *STEPS, "parallelism.tp_size=2", "train.stop_after=2", nproc=2)
-    resumed = pretrain(tmp_path / "tp", *STEPS, "parallelism.tp_size=2", nproc=2)[len(first) :]
-    assert losses(resumed) == pytest.approx(losses(ref)[2:], abs=1e-5)  # 2 + 2 = 4
-    step_2 = tmp_path / "tp" / "checkpoints" / "step-2"
-    other = pretrain(tmp_path / "fsdp", *STEPS, f"checkpoint.resume={step_2}", nproc=2)  # tp 2 -> fsdp 2
-    assert event(other, "model_ready")["start_step"] == 2
-    assert losses(other) == pytest.approx(losses(ref)[2:], abs=1e-5)
+def test_tp_checkpoints_resume_exactly_and_on_another_layout_and_export_for_transformers(tmp_path):
+    straight = pretrain(tmp_path / "straight", *SIX, "parallelism.tp_size=2", nproc=2)
+    first = pretrain(tmp_path / "tp", *SIX, "parallelism.tp_size=2", "train.stop_after=3", nproc=2)
+    resumed = pretrain(tmp_path / "tp", *SIX, "parallelism.tp_size=2", nproc=2)[len(first) :]
+    assert event(resumed, "model_ready")["start_step"] == 3
+    assert losses(resumed) == losses(straight)[3:]  # 3 + 3 = 6, exactly
+    step_3 = tmp_path / "tp" / "checkpoints" / "step-3"
+    other = pretrain(tmp_path / "fsdp", *SIX, f"checkpoint.resume={step_3}", nproc=2)  # tp 2 -> fsdp 2
+    assert event(other, "model_ready")["start_step"] == 3
+    assert losses(other) == pytest.approx(losses(straight)[3:], abs=1e-5)
     export = tmp_path / "tp" / "export"
     model, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
@@ -107,7 +120,8 @@ def test_tp_combinations_it_cannot_run_are_one_line(tmp_path, overrides, message
 
 def test_accelerates_tp_hsdp_template_trains_under_accelerate_launch_on_8_processes(tmp_path):
     template = os.path.join(REPO, "configs", "fsdp", "accelerate_tp_hsdp.yaml")
-    launcher = ["accelerate", "launch", "--config_file", template, "--main_process_port", str(free_port())]
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", template]
+    launcher += ["--main_process_port", str(free_port())]
     run(
         "pretrain_fsdp.py",
         ["--config", TINY, f"checkpoint.dir={tmp_path}", *STEPS],

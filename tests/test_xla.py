@@ -66,6 +66,11 @@ def test_settings_parse_dtype_strings_like_transformers_and_refuse_fsdpv1_option
         (["train.compile=true"], "train.compile is set"),
         (["train.sync_each_batch=true"], "train.sync_each_batch is set"),
         (["data.document_mask=true"], "data.document_mask is true"),
+        (
+            ["eval.interval=2", "data.eval_dataset=embedded"],
+            "the XLA recipe does not evaluate during training",
+        ),
+        (["lora.r=4"], "the XLA recipe does not train adapters"),
         (["parallelism.cp_size=2"], "parallelism.cp_size is 2"),
         (["train.micro_batch_size=2", "train.global_batch_size=8"], "not a multiple of the 4 XLA devices"),
     ],

@@ -318,7 +318,7 @@ def build_batches(
     or SFT rows trained on the answers only. The tokenizer must fit the model's `vocab_size`, if given."""
     from common.data import sft  # sft builds on this module
 
-    if not cfg.streaming and sft.is_sft(cfg.dataset, cfg.text_field):
+    if not cfg.streaming and sft.is_sft(cfg.dataset, cfg.text_field, cfg.split):
         return sft.build_sft_batches(cfg, t, dp_rank, dp_size, is_main, vocab_size)
     tokenizer, batches = _text_batches(cfg, t, dp_rank, dp_size, is_main)
     if vocab_size is not None:

@@ -30,7 +30,7 @@ def held_out_rows(cfg: DataConfig, e: EvalConfig, tokenizer, is_main: bool) -> B
         ("data.eval_dataset", cfg.eval_dataset) if cfg.eval_dataset else ("data.dataset", cfg.dataset)
     )
     split = cfg.eval_split if cfg.eval_dataset else cfg.split
-    if is_sft(source, cfg.text_field):
+    if is_sft(source, cfg.text_field, split):
         rows = np.load(sft_rows_path(cfg, tokenizer, source, split, is_main, key), mmap_mode="r")
         return sft_batch(np.asarray(rows[: e.max_sequences]), [])
     if cfg.eval_dataset:

@@ -39,9 +39,10 @@ def arithmetic_examples(split: str) -> list[dict]:
     ]
 
 
-def is_sft(source: str | list, text_field: str) -> bool:
+def is_sft(source: str | list, text_field: str, split: str = "train") -> bool:
     """Whether `source` holds SFT records (prompt and completion, or chat messages) rather than text: the
-    built-in task, or local files or a hub dataset whose first record has those keys and no text_field."""
+    built-in task, or local files or a hub dataset (its `split`) whose first record has those keys and no
+    text_field."""
     if source == ARITHMETIC:
         return True
     if source == "embedded":
@@ -55,7 +56,7 @@ def is_sft(source: str | list, text_field: str) -> bool:
         else:
             import datasets
 
-            first = next(iter(datasets.load_dataset(source, split="train", streaming=True)), {})
+            first = next(iter(datasets.load_dataset(source, split=split, streaming=True)), {})
     except Exception:  # unreadable here: the text path reports it, with its own message
         return False
     return text_field not in first and ("messages" in first or {"prompt", "completion"} <= set(first))

@@ -11,6 +11,7 @@ import sys
 from common.config import Config, ConfigError
 from common.ops.config_sources import load_config
 from common.ops.fsdp1 import Translation
+from common.ops.integrity import check_model_files
 
 
 def parse_args(argv: list[str] | None = None, description: str = "") -> Config:
@@ -26,6 +27,7 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> Config:
     translation = Translation()
     sources = (args.config, args.overrides, args.fsdp_config, args.accelerate_config)
     cfg = load_config(*sources, os.environ, changes, translation)
+    check_model_files(cfg.model)  # before any work, on every rank: a damaged file is one line
     if os.environ.get("RANK", "0") == "0":
         if changes:
             print(

@@ -11,7 +11,7 @@ import types
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from common.config import Config, ConfigError, FsdpConfig, class_names, mixed_precision_dtypes, validate
-from common.ops.fsdp1 import FSDP1_KEYS, Translation
+from common.ops.fsdp1 import FSDP1_KEYS, FSDP1_LAUNCH_KEYS, RESHARD, Translation, fsdp1_launch_values
 
 # Accelerate's names (Transformers silently ignores offload_params).
 FSDP_KEY_ALIASES = {
@@ -21,10 +21,6 @@ FSDP_KEY_ALIASES = {
 # The FSDP_<KEY> variables of `accelerate launch` that mean something for FSDP2.
 LAUNCH_ENV_KEYS = """version reshard_after_forward offload_params auto_wrap_policy transformer_cls_to_wrap
     state_dict_type cpu_ram_efficient_loading activation_checkpointing""".split()
-# An FSDP1 launch (FSDP_VERSION 1 or unset) exports these too; they are translated.
-FSDP1_LAUNCH_KEYS = (
-    "sharding_strategy backward_prefetch forward_prefetch use_orig_params sync_module_states".split()
-)
 LAUNCH_ENV = "the accelerate launch environment"
 # Accelerate's parallelism_config keys; the ignored ones are meaningless here at these values only.
 PARALLELISM_KEYS = "dp_replicate_size dp_shard_size tp_size cp_size sp_size cp_comm_strategy".split()
@@ -130,6 +126,8 @@ def apply_override(
         raise ConfigError(f"override '{item}' is not key.path=value (e.g. train.steps=20)")
     path, text = item.split("=", 1)
     *parents, leaf = path.split(".")
+    if parents == ["fsdp"] and leaf == "reshard_after_forward" and text.strip('"').upper() in RESHARD:
+        leaf = "sharding_strategy"  # an FSDP1 strategy name, as `accelerate config` writes it
     if parents == ["fsdp"] and leaf in FSDP1_KEYS:
         translation = translation or Translation()
         for key, value in translation.add(path, leaf, parse_scalar(text), "an override").items():
@@ -158,14 +156,23 @@ def apply_override(
         setattr(obj, leaf, value)
 
 
-def normalize_fsdp_keys(values: dict, source: str, translation: Translation | None = None) -> dict:
-    """A Transformers/Accelerate fsdp_config dict in our `fsdp` keys; FSDP1 keys translated."""
+def normalize_fsdp_keys(
+    values: dict, source: str, translation: Translation | None = None, external: bool = True
+) -> dict:
+    """A Transformers/Accelerate fsdp_config dict in our `fsdp` keys; FSDP1 keys translated. In another
+    tool's config (`external`), version 1 only says that it is an FSDP1 config, so it is translated too;
+    in the run config it was asked for, and stays an error."""
     known = {f.name for f in dataclasses.fields(FsdpConfig)}
     translation = translation or Translation()
     out = {}
     for raw_key, value in values.items():
         key = raw_key.removeprefix("fsdp_")
         key = FSDP_KEY_ALIASES.get(key, key)
+        if external and key == "version" and str(value) == "1":
+            translation.translated.append(f"{raw_key}=1 -> version=2")
+            continue
+        if key == "reshard_after_forward" and str(value).upper() in RESHARD:
+            key = "sharding_strategy"  # what `accelerate config` writes for FSDP1 (to-fsdp2 maps it too)
         if key in FSDP1_KEYS:
             for new_key, new_value in translation.add(raw_key, key, value, source).items():
                 if out.get(new_key, new_value) != new_value:
@@ -219,11 +226,12 @@ def accelerate_parallelism(values: dict, source: str) -> dict:
 def accelerate_launch_env(environ: dict, translation: Translation | None = None) -> dict:
     if environ.get("ACCELERATE_USE_FSDP", "").lower() != "true":
         return {}
-    keys = LAUNCH_ENV_KEYS if environ.get("FSDP_VERSION", "1") == "2" else LAUNCH_ENV_KEYS + FSDP1_LAUNCH_KEYS
+    fsdp1 = environ.get("FSDP_VERSION", "1") != "2"
+    keys = LAUNCH_ENV_KEYS + FSDP1_LAUNCH_KEYS if fsdp1 else LAUNCH_ENV_KEYS
     names = {f"FSDP_{key.upper()}": key for key in keys}
     names["ACCELERATE_MIXED_PRECISION"] = "mixed_precision"
     values = {key: parse_scalar(environ[name]) for name, key in names.items() if name in environ}
-    out = normalize_fsdp_keys(values, LAUNCH_ENV, translation)
+    out = normalize_fsdp_keys(fsdp1_launch_values(values) if fsdp1 else values, LAUNCH_ENV, translation)
     # FSDP_MIN_NUM_PARAMS is always exported (default 1e8), but means something only for SIZE_BASED_WRAP.
     if out.get("auto_wrap_policy") == "SIZE_BASED_WRAP" and "FSDP_MIN_NUM_PARAMS" in environ:
         out["min_num_params"] = int(environ["FSDP_MIN_NUM_PARAMS"])
@@ -293,7 +301,7 @@ def load_config(
     cfg = Config()
     run_fsdp = values.pop("fsdp", {}) or {}
     fill(cfg, values, "")
-    run_fsdp = normalize_fsdp_keys(run_fsdp, f"{path} (fsdp)", translation)
+    run_fsdp = normalize_fsdp_keys(run_fsdp, f"{path} (fsdp)", translation, external=False)
     fsdp_sources, parallelism_sources = [], []
     if fsdp_config:
         fsdp_sources.append(

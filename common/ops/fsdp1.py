@@ -23,6 +23,19 @@ DROPPED = {
     "activation_checkpointing_offload": "not an FSDP2 option",
 }
 FSDP1_KEYS = {"sharding_strategy", "ignored_modules", *DROPPED}
+# What an FSDP1 `accelerate launch` (FSDP_VERSION 1 or unset) exports beside the FSDP2 keys; translated.
+FSDP1_LAUNCH_KEYS = """sharding_strategy backward_prefetch forward_prefetch use_orig_params sync_module_states
+    ignored_modules""".split()
+
+
+def fsdp1_launch_values(values: dict) -> dict:
+    """The FSDP_* values of an FSDP1 launch. Accelerate exports FSDP_RESHARD_AFTER_FORWARD=true and
+    FSDP_SHARDING_STRATEGY=FULL_SHARD for every FSDP1 config: only a strategy name in the first (what
+    `accelerate config` writes now) was chosen, and then it is the strategy; the boolean is dropped."""
+    out = {k: v for k, v in values.items() if k != "reshard_after_forward"}
+    if str(values.get("reshard_after_forward")).upper() in RESHARD:
+        out["sharding_strategy"] = values["reshard_after_forward"]
+    return out
 
 
 @dataclass

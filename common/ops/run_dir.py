@@ -9,9 +9,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from common import integrity
 from common.checkpoint import STEP_DIR, TRAIN_STATE, checkpoints_dir, saved_steps
-from common.config import ConfigError
+from common.config import CheckpointConfig, ConfigError
+from common.ops import integrity
 
 
 def find_resume_checkpoint(run_dir: str, resume: str, checksums: bool = True) -> str | None:
@@ -19,7 +19,7 @@ def find_resume_checkpoint(run_dir: str, resume: str, checksums: bool = True) ->
     path, which must be undamaged. Rank 0 decides and every rank takes its choice: ranks listing the
     directory themselves could disagree (a network filesystem's stale view on one node) and load different
     steps. Then every rank must see what rank 0 writes there: a node-local run directory could never be
-    resumed. `checksums`: check every file's CRC-32 against the manifest too (sizes always)."""
+    resumed. `checksums`: check every file's checksum against the manifest too (sizes always)."""
     choice: list = [None, None]  # the path, or the error that stops every rank
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
@@ -33,6 +33,43 @@ def find_resume_checkpoint(run_dir: str, resume: str, checksums: bool = True) ->
     if dist.is_initialized():
         check_shared_storage(run_dir)
     return choice[0]
+
+
+def load_or_set_aside(path: str | None, c: CheckpointConfig, load, *state) -> tuple[str | None, dict]:
+    """(the checkpoint loaded, its train_state) from `load(path, *state)`. Under resume=auto, one that passed
+    the checks but fails to load (a damaged file and no manifest to show it, or checksums off) is moved
+    aside like a damaged one, and the one before it is loaded instead: every tensor, the RNG and the
+    train state are loaded again, so nothing of the failed attempt remains."""
+    while path:
+        loaded, error = {}, None
+        try:
+            loaded = load(path, *state)
+        except ConfigError:  # another model's checkpoint: a person must choose
+            raise
+        except Exception as failed:  # DCP raises on every rank when any rank's read failed
+            error = f"{type(failed).__name__}: {(str(failed).splitlines() or [''])[0]}"
+        if dist.is_initialized():  # one verdict: a rank whose own part loaded must not go on alone
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+            error = next((e for e in errors if e), None)
+        if error is None:
+            return path, loaded
+        if c.resume != "auto":
+            raise ConfigError(
+                f"checkpoint.resume {path!r} could not be loaded ({error}); resume from another "
+                f"checkpoint, or set checkpoint.resume=none"
+            )
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            root, name = os.path.split(os.path.normpath(path))
+            aside = _move_aside(root, name, "damaged")
+            print(f"checkpoint: {name} could not be loaded ({error}); moved it to {aside}", flush=True)
+        path = find_resume_checkpoint(c.dir, "auto", c.verify_checksums)
+        if path is None:
+            raise ConfigError(
+                f"checkpoint.resume=auto: no checkpoint of {c.dir!r} could be loaded (the last: {error}); "
+                f"they are under checkpoints/damaged/, and rerunning starts from step 0"
+            )
+    return None, {}
 
 
 def _resume_checkpoint(run_dir: str, resume: str, checksums: bool) -> str | None:

@@ -1,51 +1,37 @@
-"""Whether what is on disk is whole. Every checkpoint and export records a manifest (manifest.json: each
-file's size and CRC-32) when it is complete; before one is loaded, its files are checked against it, and a
-model directory's structure (config.json, weights, shards, safetensors headers) is checked, so a damaged
-file is one line naming it, not a traceback from deep inside DCP or safetensors."""
+"""Whether what is on disk is whole, checked before it is loaded: a checkpoint or export against its manifest
+(common/manifest.py), DCP's index, and a model directory's structure (config.json, weights, shards,
+safetensors headers), so a damaged file is one line naming it, not a traceback from deep inside DCP or
+safetensors."""
 
 from __future__ import annotations
 
 import json
 import os
 import struct
-import zlib
 
-MANIFEST = "manifest.json"
-CHUNK = 16 * 2**20
+from common.config import ConfigError, ModelConfig
+from common.manifest import MANIFEST, checksum
 
-
-def crc32(path: str) -> int:
-    value = 0
-    with open(path, "rb") as f:
-        while block := f.read(CHUNK):
-            value = zlib.crc32(block, value)
-    return value
-
-
-def describe(directory: str, names: list[str]) -> dict:
-    """{name: {"bytes", "crc32"}} of these files of `directory`."""
-    out = {}
-    for name in names:
-        path = os.path.join(directory, name)
-        out[name] = {"bytes": os.path.getsize(path), "crc32": crc32(path)}
-    return out
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".distcp")
+WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
-def write_manifest(directory: str, known: dict | None = None) -> None:
-    """manifest.json for every file of `directory`; `known`: entries already computed (by the ranks that
-    wrote those files, in parallel)."""
-    entries = dict(known or {})
-    rest = [
-        n for n in os.listdir(directory) if n not in entries and n != MANIFEST and not n.startswith(".fault")
-    ]
-    entries.update(describe(directory, [n for n in rest if os.path.isfile(os.path.join(directory, n))]))
-    with open(os.path.join(directory, MANIFEST), "w") as f:
-        json.dump(dict(sorted(entries.items())), f, indent=1)
+def check_model_files(cfg: ModelConfig) -> None:
+    """A local model.name_or_path must be whole; checked on every rank before any work."""
+    if cfg.name_or_path and os.path.isdir(cfg.name_or_path):
+        if problem := model_dir_damage(cfg.name_or_path):
+            raise ConfigError(f"model.name_or_path {cfg.name_or_path!r} is damaged: {problem}")
 
 
-def damage(directory: str, checksums: bool = True) -> str | None:
+def damage(directory: str, checksums: bool = True, weights_only: bool = False) -> str | None:
     """What is wrong with a checkpoint or export directory, naming the file; None if nothing is. Without a
-    manifest (written before manifests existed) only DCP's own index is checked."""
+    manifest (written before manifests existed) only DCP's own index is checked. `weights_only`: leave out the
+    small files a person may edit on purpose (config.json, the tokenizer's)."""
     problem = None
     manifest = os.path.join(directory, MANIFEST)
     if os.path.exists(manifest):
@@ -55,6 +41,8 @@ def damage(directory: str, checksums: bool = True) -> str | None:
         except (OSError, ValueError) as e:
             return f"{manifest} is unreadable ({e})"
         for name, entry in entries.items():
+            if weights_only and not name.endswith(WEIGHT_SUFFIXES):
+                continue
             path = os.path.join(directory, name)
             if not os.path.exists(path):
                 return f"{path} is missing"
@@ -63,7 +51,7 @@ def damage(directory: str, checksums: bool = True) -> str | None:
                 return (
                     f"{path} has {size:,} bytes, {entry['bytes']:,} when written (truncated or overwritten)"
                 )
-            if checksums and crc32(path) != entry["crc32"]:
+            if checksums and "xxh3_64" in entry and checksum(path) != entry["xxh3_64"]:
                 return f"{path} does not match its checksum (corrupted)"
     if os.path.exists(os.path.join(directory, ".metadata")):
         problem = _dcp_damage(directory)
@@ -91,14 +79,6 @@ def _dcp_damage(directory: str) -> str | None:
     return None
 
 
-WEIGHTS = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
-
-
 def model_dir_damage(directory: str) -> str | None:
     """What is wrong with a local model directory (an HF checkpoint or an export), naming the file."""
     config = os.path.join(directory, "config.json")
@@ -109,7 +89,7 @@ def model_dir_damage(directory: str) -> str | None:
         return f"{config} is not valid JSON ({e})"
     except OSError:
         return f"{directory} has no config.json"
-    problem = damage(directory, checksums=False)  # sizes against its manifest, if it has one
+    problem = damage(directory, checksums=False, weights_only=True)  # sizes against its manifest, if any
     if problem or os.path.exists(os.path.join(directory, ".metadata")):  # a SHARDED export: DCP checked
         return problem
     present = [name for name in WEIGHTS if os.path.exists(os.path.join(directory, name))]

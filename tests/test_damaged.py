@@ -95,6 +95,14 @@ def test_damaged_model_directories_are_one_line(tmp_path, export):
     truncate(os.path.join(cut, "model.safetensors"))
     (line,) = refused(tmp_path / "r2", f"model.name_or_path={cut}", *model)
     assert f"{cut}/model.safetensors has " in line and "(truncated or overwritten)" in line
+    proc = run(  # eval_cp.py checks an export against its manifest the same way
+        "eval_cp.py",
+        ["--config", TINY, f"checkpoint.dir={tmp_path / 'e1'}", f"model.name_or_path={cut}", *model],
+        nproc=0,
+        check=False,
+    )
+    assert proc.returncode == 2 and proc.stderr.count("config error:") == 1, proc.stderr[-2000:]
+    assert f"{cut}/model.safetensors has " in proc.stderr and not os.path.exists(tmp_path / "e1")
     os.remove(os.path.join(cut, "manifest.json"))  # a plain HF directory: the safetensors header tells
     (line,) = refused(tmp_path / "r3", f"model.name_or_path={cut}", *model)
     assert f"{cut}/model.safetensors has " in line and "(truncated)" in line
@@ -151,40 +159,28 @@ def flip_a_byte(path) -> None:
         f.write(bytes([byte[0] ^ 0xFF]))
 
 
-@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "unloadable"])
 def test_auto_moves_a_damaged_checkpoint_aside_and_resumes_from_the_one_before(tmp_path, straight, damage):
+    """A truncated or flipped .distcp fails the checks; "unloadable" passes them (no manifest to catch it,
+    as written before manifests, and a train_state.json of the same size that no longer parses), fails to
+    load on every rank, and auto falls back all the same."""
     ref_dir, ref = straight
     first = pretrain(tmp_path, *SIX, "train.stop_after=4")
     newest = tmp_path / "checkpoints" / "step-4"
     distcp = sorted(name for name in os.listdir(newest) if name.endswith(".distcp"))[-1]
-    (truncate if damage == "truncated" else flip_a_byte)(newest / distcp)
+    if damage == "unloadable":
+        os.remove(newest / "manifest.json")
+        with open(newest / "train_state.json", "r+b") as f:
+            f.write(b"x")
+    else:
+        (truncate if damage == "truncated" else flip_a_byte)(newest / distcp)
     proc = run("pretrain_fsdp.py", ["--config", TINY, f"checkpoint.dir={tmp_path}", *SIX], nproc=2)
     aside = tmp_path / "checkpoints" / "damaged" / "step-4"
-    assert f"checkpoint: step-4 is damaged ({newest}/{distcp} " in proc.stdout
+    if damage == "unloadable":
+        assert proc.stdout.count("checkpoint: step-4 could not be loaded (JSONDecodeError: ") == 1
+    else:
+        assert f"checkpoint: step-4 is damaged ({newest}/{distcp} " in proc.stdout
     assert f"moved it to {aside}" in proc.stdout and (aside / distcp).exists()
-    resumed = read_metrics(tmp_path)[len(first) :]
-    assert event(resumed, "model_ready")["start_step"] == 2
-    assert losses(resumed) == losses(ref)[2:]
-    ours, theirs = (
-        load_file(tmp_path / "export" / "model.safetensors"),
-        load_file(ref_dir / "export" / "model.safetensors"),
-    )
-    assert all((ours[k] == theirs[k]).all() for k in theirs)  # bit-identical to resuming at step 2
-
-
-def test_auto_sets_aside_a_checkpoint_that_fails_to_load_and_loads_the_one_before(tmp_path, straight):
-    """No manifest to catch it (written before manifests), and a train_state.json that no longer parses:
-    the checks pass, the load fails on every rank, and auto falls back as for a damaged file."""
-    ref_dir, ref = straight
-    first = pretrain(tmp_path, *SIX, "train.stop_after=4")
-    newest = tmp_path / "checkpoints" / "step-4"
-    os.remove(newest / "manifest.json")
-    with open(newest / "train_state.json", "r+b") as f:
-        f.write(b"x")  # the same size: only loading it shows the damage
-    proc = run("pretrain_fsdp.py", ["--config", TINY, f"checkpoint.dir={tmp_path}", *SIX], nproc=2)
-    aside = tmp_path / "checkpoints" / "damaged" / "step-4"
-    assert proc.stdout.count("checkpoint: step-4 could not be loaded (JSONDecodeError: ") == 1
-    assert f"moved it to {aside}" in proc.stdout and (aside / "train_state.json").exists()
     resumed = read_metrics(tmp_path)[len(first) :]
     assert event(resumed, "model_ready")["start_step"] == 2
     assert losses(resumed) == losses(ref)[2:]

@@ -116,8 +116,8 @@ class CheckpointConfig:
     resume: str = "auto"  # auto: the newest complete checkpoint in dir, if any | none | a step-N path
     export: bool = True  # write the final export to <dir>/export per fsdp.state_dict_type
     async_save: bool = False  # training waits only for a copy in host memory; DCP writes in the background
-    # Before a resume, check each file's checksum against the checkpoint's manifest (sizes are always
-    # checked); false: skip it for a huge checkpoint
+    # Before a resume, and before an export given as model.name_or_path is loaded, check each file's
+    # checksum against its manifest (sizes are always checked); false: skip it for a huge checkpoint
     verify_checksums: bool = True
     # Export the weights of the step with the lowest eval_loss, not the last step's; its checkpoint is kept
     load_best_model_at_end: bool = False

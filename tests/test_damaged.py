@@ -8,6 +8,7 @@ import shutil
 import pytest
 from safetensors.torch import load_file
 
+from common.ops.integrity import model_dir_damage
 from launch import TINY, event, losses, pretrain, read_metrics, run
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -103,6 +104,11 @@ def test_damaged_model_directories_are_one_line(tmp_path, export):
     )
     assert proc.returncode == 2 and proc.stderr.count("config error:") == 1, proc.stderr[-2000:]
     assert f"{cut}/model.safetensors has " in proc.stderr and not os.path.exists(tmp_path / "e1")
+    flipped = damaged_copy(export, tmp_path, "flipped")  # the same size: only the checksum tells
+    flip_a_byte(os.path.join(flipped, "model.safetensors"))
+    (line,) = refused(tmp_path / "r6", f"model.name_or_path={flipped}", *model)
+    assert f"{flipped}/model.safetensors does not match its checksum (corrupted)" in line
+    assert model_dir_damage(flipped, checksums=False) is None  # checkpoint.verify_checksums=false
     os.remove(os.path.join(cut, "manifest.json"))  # a plain HF directory: the safetensors header tells
     (line,) = refused(tmp_path / "r3", f"model.name_or_path={cut}", *model)
     assert f"{cut}/model.safetensors has " in line and "(truncated)" in line

@@ -27,7 +27,8 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> Config:
     translation = Translation()
     sources = (args.config, args.overrides, args.fsdp_config, args.accelerate_config)
     cfg = load_config(*sources, os.environ, changes, translation)
-    check_model_files(cfg.model)  # before any work, on every rank: a damaged file is one line
+    # before any work, on every rank: a damaged file is one line
+    check_model_files(cfg.model, cfg.checkpoint.verify_checksums)
     if os.environ.get("RANK", "0") == "0":
         if changes:
             print(

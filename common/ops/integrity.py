@@ -21,10 +21,10 @@ WEIGHTS = (
 )
 
 
-def check_model_files(cfg: ModelConfig) -> None:
+def check_model_files(cfg: ModelConfig, checksums: bool = True) -> None:
     """A local model.name_or_path must be whole; checked on every rank before any work."""
     if cfg.name_or_path and os.path.isdir(cfg.name_or_path):
-        if problem := model_dir_damage(cfg.name_or_path):
+        if problem := model_dir_damage(cfg.name_or_path, checksums):
             raise ConfigError(f"model.name_or_path {cfg.name_or_path!r} is damaged: {problem}")
 
 
@@ -79,8 +79,10 @@ def _dcp_damage(directory: str) -> str | None:
     return None
 
 
-def model_dir_damage(directory: str) -> str | None:
-    """What is wrong with a local model directory (an HF checkpoint or an export), naming the file."""
+def model_dir_damage(directory: str, checksums: bool = True) -> str | None:
+    """What is wrong with a local model directory (an HF checkpoint or an export), naming the file.
+    `checksums`: an export's weight files against its manifest's; every rank reads them, from the page
+    cache after the first rank of a node (about 15 GB/s of hashing here, docs/checkpoints.md)."""
     config = os.path.join(directory, "config.json")
     try:
         with open(config) as f:
@@ -89,7 +91,7 @@ def model_dir_damage(directory: str) -> str | None:
         return f"{config} is not valid JSON ({e})"
     except OSError:
         return f"{directory} has no config.json"
-    problem = damage(directory, checksums=False, weights_only=True)  # sizes against its manifest, if any
+    problem = damage(directory, checksums, weights_only=True)  # against its manifest, if it has one
     if problem or os.path.exists(os.path.join(directory, ".metadata")):  # a SHARDED export: DCP checked
         return problem
     present = [name for name in WEIGHTS if os.path.exists(os.path.join(directory, name))]

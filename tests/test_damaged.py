@@ -1,6 +1,8 @@
 """Damaged files: a broken dataset, model, tokenizer or export is one line naming the file (and the line),
-exit 2, nothing written; a damaged checkpoint is moved aside and `auto` resumes from the one before it."""
+exit 2, nothing written; a damaged checkpoint is moved aside and `auto` resumes from the one before it; a
+checkpoint that fails to load without being damaged stays, and the next launch retries it."""
 
+import errno
 import json
 import os
 import shutil
@@ -8,7 +10,9 @@ import shutil
 import pytest
 from safetensors.torch import load_file
 
+from common.ops import integrity
 from common.ops.integrity import model_dir_damage
+from common.ops.run_dir import find_resume_checkpoint
 from launch import TINY, event, losses, pretrain, read_metrics, run
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -165,36 +169,138 @@ def flip_a_byte(path) -> None:
         f.write(bytes([byte[0] ^ 0xFF]))
 
 
-@pytest.mark.parametrize("damage", ["truncated", "flipped", "unloadable"])
+def copy_checkpoints(ref_dir, run_dir, *steps: int):
+    """The straight run's checkpoints of `steps`, as a run stopped after the last of them leaves them."""
+    root = run_dir / "checkpoints"
+    for step in steps:
+        shutil.copytree(ref_dir / "checkpoints" / f"step-{step}", root / f"step-{step}")
+    return root
+
+
+def corrupt_without_manifest(checkpoint) -> str:
+    """No manifest (as written before manifests), and a .distcp whose first tensor no longer unpickles: the
+    checks before the load pass, and the load fails. Returns the file's name."""
+    os.remove(checkpoint / "manifest.json")
+    distcp = sorted(name for name in os.listdir(checkpoint) if name.endswith(".distcp"))[-1]
+    with open(checkpoint / distcp, "r+b") as f:
+        f.write(b"\0" * 4)  # the zip signature of the tensor torch.save wrote there
+    return distcp
+
+
+def same_export(run_dir, ref_dir) -> bool:
+    ours, theirs = (
+        load_file(run_dir / "export" / "model.safetensors"),
+        load_file(ref_dir / "export" / "model.safetensors"),
+    )
+    return ours.keys() == theirs.keys() and all((ours[k] == theirs[k]).all() for k in theirs)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "unloadable", "corrupted"])
 def test_auto_moves_a_damaged_checkpoint_aside_and_resumes_from_the_one_before(tmp_path, straight, damage):
-    """A truncated or flipped .distcp fails the checks; "unloadable" passes them (no manifest to catch it,
-    as written before manifests, and a train_state.json of the same size that no longer parses), fails to
-    load on every rank, and auto falls back all the same."""
+    """A truncated or flipped .distcp fails the checks. "unloadable" and "corrupted" pass them (no manifest
+    to catch it, as written before manifests): a train_state.json of the same size that no longer parses,
+    or a .distcp whose tensor no longer unpickles. The load fails on every rank, the checkpoint then shows
+    the damage, and auto falls back all the same."""
     ref_dir, ref = straight
-    first = pretrain(tmp_path, *SIX, "train.stop_after=4")
-    newest = tmp_path / "checkpoints" / "step-4"
+    root = copy_checkpoints(ref_dir, tmp_path, 2, 4)
+    newest = root / "step-4"
     distcp = sorted(name for name in os.listdir(newest) if name.endswith(".distcp"))[-1]
     if damage == "unloadable":
         os.remove(newest / "manifest.json")
         with open(newest / "train_state.json", "r+b") as f:
             f.write(b"x")
+    elif damage == "corrupted":
+        corrupt_without_manifest(newest)
     else:
         (truncate if damage == "truncated" else flip_a_byte)(newest / distcp)
     proc = run("pretrain_fsdp.py", ["--config", TINY, f"checkpoint.dir={tmp_path}", *SIX], nproc=2)
-    aside = tmp_path / "checkpoints" / "damaged" / "step-4"
+    aside = root / "damaged" / "step-4"
     if damage == "unloadable":
         assert proc.stdout.count("checkpoint: step-4 could not be loaded (JSONDecodeError: ") == 1
+        assert f"{newest}/train_state.json is not valid JSON" in proc.stdout
+    elif damage == "corrupted":  # DCP's collective read failed on the rank reading that file, so on both
+        assert proc.stdout.count("checkpoint: step-4 could not be loaded (rank ") == 1
+        assert f"{newest}/{distcp} is unreadable at " in proc.stdout
     else:
         assert f"checkpoint: step-4 is damaged ({newest}/{distcp} " in proc.stdout
     assert f"moved it to {aside}" in proc.stdout and (aside / distcp).exists()
-    resumed = read_metrics(tmp_path)[len(first) :]
+    resumed = read_metrics(tmp_path)
     assert event(resumed, "model_ready")["start_step"] == 2
     assert losses(resumed) == losses(ref)[2:]
-    ours, theirs = (
-        load_file(tmp_path / "export" / "model.safetensors"),
-        load_file(ref_dir / "export" / "model.safetensors"),
+    assert same_export(tmp_path, ref_dir)  # bit-identical to resuming at step 2
+
+
+def test_a_transient_read_error_moves_nothing_and_the_next_launch_resumes_bit_identical(tmp_path, straight):
+    """An I/O timeout on rank 0 alone, in DCP's collective read, reaches both ranks as DCP's
+    CheckpointException. The checkpoint shows no damage, so nothing moves: one line per rank, exit 1, and
+    the next launch (a requeue, a torchrun restart) resumes from it."""
+    ref_dir, ref = straight
+    root = copy_checkpoints(ref_dir, tmp_path, 2, 4)
+    proc = run(
+        "pretrain_fsdp.py",
+        ["--config", TINY, f"checkpoint.dir={tmp_path}", *SIX],
+        nproc=2,
+        check=False,
+        wrapper="with_faults.py",
+        extra_env={"FSDP2_RECIPES_FAULT": "read@4:0"},
     )
-    assert all((ours[k] == theirs[k]).all() for k in theirs)  # bit-identical to resuming at step 2
+    timeout = f"TimeoutError: [Errno {errno.ETIMEDOUT}] {os.strerror(errno.ETIMEDOUT)}"
+    line = (
+        f"checkpoint {root}/step-4 could not be loaded (rank 0: {timeout}) and shows no damage; it stays in "
+        f"place: rerun the same command (or requeue) to retry it"
+    )
+    assert proc.stderr.count(line) == 2, proc.stderr[-3000:]  # one line per rank
+    assert proc.returncode == 1 and proc.stderr.count("exitcode  : 1 ") == 2
+    assert proc.stderr.count("Traceback") == 1  # torchrun's own report only
+    assert sorted(os.listdir(root)) == ["step-2", "step-4"]
+    resumed = pretrain(tmp_path, *SIX)
+    assert event(resumed, "model_ready")["start_step"] == 4
+    assert losses(resumed) == losses(ref)[4:]
+    assert same_export(tmp_path, ref_dir)  # bit-identical to the run that never stopped
+
+
+def test_a_read_error_while_checking_is_no_evidence_of_damage(tmp_path, straight, monkeypatch):
+    """Before the load, rank 0 checksums the newest checkpoint: an I/O error there stops the launch with one
+    line, and nothing moves."""
+    root = copy_checkpoints(straight[0], tmp_path, 2, 4)
+
+    def unreadable(path):
+        raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+
+    monkeypatch.setattr(integrity, "checksum", unreadable)
+    with pytest.raises(
+        SystemExit, match=r"could not read a checkpoint to check it \(\[Errno \d+\] .*step-4/"
+    ):
+        find_resume_checkpoint(str(tmp_path), "auto")
+    assert sorted(os.listdir(root)) == ["step-2", "step-4"]
+
+
+def test_with_every_checkpoint_damaged_auto_refuses_to_start_over_until_told(tmp_path, straight):
+    """step-4 fails to load and shows why (a corrupted .distcp, no manifest), step-2 fails the checks (a
+    truncated .distcp): both move aside. Starting from step 0 would drop their training silently, so auto
+    refuses, in one line, on this launch and the next, until checkpoint.resume=none says so. One process:
+    the failure path without collectives."""
+    ref_dir, _ = straight
+    root = copy_checkpoints(ref_dir, tmp_path, 2, 4)
+    corrupt_without_manifest(root / "step-4")
+    truncate(root / "step-2" / sorted(n for n in os.listdir(root / "step-2") if n.endswith(".distcp"))[0])
+    line = (
+        f"config error: checkpoint.resume=auto: no checkpoint is left to resume, and {root}/damaged holds "
+        "step-2, step-4; set checkpoint.resume=none to start from step 0, or checkpoint.resume=<a "
+        "checkpoint path>"
+    )
+    for launch in range(2):
+        proc = run(
+            "pretrain_fsdp.py", ["--config", TINY, f"checkpoint.dir={tmp_path}", *SIX], nproc=0, check=False
+        )
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert [text for text in proc.stderr.splitlines() if "config error:" in text] == [line]
+        assert os.listdir(root) == ["damaged"] and not (tmp_path / "metrics.jsonl").exists()
+        assert proc.stdout.count("; moved it to ") == (2 if launch == 0 else 0)
+    records = pretrain(
+        tmp_path, "train.steps=1", "checkpoint.export=false", "checkpoint.resume=none", nproc=0
+    )
+    assert event(records, "model_ready")["start_step"] == 0
 
 
 def test_an_explicit_damaged_resume_is_one_line_and_a_checkpoint_without_manifest_still_loads(

@@ -3,14 +3,16 @@
     FSDP2_RECIPES_FAULT=kill@13:1 torchrun --nproc_per_node=2 tests/with_faults.py scripts/pretrain_fsdp.py
 
 FSDP2_RECIPES_FAULT is `<point>@<step>[:<rank>]`: kill (after the step's update), save (inside its checkpoint
-write, before the rename: sync or background), hang, nan (poisons the loss), or grad (makes the step's
-gradients NaN while its loss stays finite). Each fires once per run directory, so a job that restarts gets
-past it. The patches wrap the loop helper's after_step, gradient clipping and DCP's save calls before the
-script runs. Never imported by scripts/ or common/.
+write, before the rename: sync or background), hang, nan (poisons the loss), grad (makes the step's
+gradients NaN while its loss stays finite), or read (the resume's DCP read of checkpoint step-N fails with an
+I/O timeout, ETIMEDOUT, as a network filesystem's would). Each fires once per run directory, so a job that
+restarts gets past it. The patches wrap the loop helper's after_step, gradient clipping, DCP's save calls
+and FileSystemReader.read_data before the script runs. Never imported by scripts/ or common/.
 """
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import re
@@ -27,9 +29,10 @@ from common import optim  # noqa: E402
 from common.ops.stopping import StopRules  # noqa: E402
 
 SPEC = os.environ.get("FSDP2_RECIPES_FAULT", "")
-FAULT = re.fullmatch(r"(kill|save|hang|nan|grad)@(\d+)(?::(\d+))?", SPEC)
+FAULT = re.fullmatch(r"(kill|save|hang|nan|grad|read)@(\d+)(?::(\d+))?", SPEC)
 RUN = {"dir": None, "step": None}  # the run directory and the step being trained, from the loop helper
 IN_WRITE = re.compile(r"step-(\d+)\.tmp$")
+CHECKPOINT = re.compile(r"step-(\d+)$")
 
 
 def fires(kind: str, step: int, run_dir: str) -> bool:
@@ -86,9 +89,23 @@ def killed_inside_write(save):
     return wrapper
 
 
+def timed_out_read(read_data):
+    """FileSystemReader.read_data, which for the checkpoint in the fault raises a transient error first."""
+
+    def wrapper(self, *args, **kwargs):
+        path = str(self.path)
+        match = CHECKPOINT.search(path)
+        if match and fires("read", int(match[1]), os.path.dirname(os.path.dirname(path))):
+            raise OSError(errno.ETIMEDOUT, os.strerror(errno.ETIMEDOUT))
+        return read_data(self, *args, **kwargs)
+
+    return wrapper
+
+
 if __name__ == "__main__":
     StopRules.__init__, StopRules.after_step = stop_rules_init, after_step
     optim.clip_grad_norm_ = clip_grad_norm_  # before the script imports it
     dcp.save, dcp.async_save = killed_inside_write(dcp.save), killed_inside_write(dcp.async_save)
+    dcp.FileSystemReader.read_data = timed_out_read(dcp.FileSystemReader.read_data)
     sys.argv = sys.argv[1:]  # the script to run, then its own arguments
     runpy.run_path(sys.argv[0], run_name="__main__")

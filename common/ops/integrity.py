@@ -1,10 +1,12 @@
 """Whether what is on disk is whole, checked before it is loaded: a checkpoint or export against its manifest
 (common/manifest.py), DCP's index, and a model directory's structure (config.json, weights, shards,
 safetensors headers), so a damaged file is one line naming it, not a traceback from deep inside DCP or
-safetensors."""
+safetensors. After a checkpoint failed to load, the same checks and a read of every tensor tell damage
+apart from a failure elsewhere. A file that cannot be read at all (OSError) is no evidence: it raises."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
@@ -24,7 +26,11 @@ WEIGHTS = (
 def check_model_files(cfg: ModelConfig, checksums: bool = True) -> None:
     """A local model.name_or_path must be whole; checked on every rank before any work."""
     if cfg.name_or_path and os.path.isdir(cfg.name_or_path):
-        if problem := model_dir_damage(cfg.name_or_path, checksums):
+        try:
+            problem = model_dir_damage(cfg.name_or_path, checksums)
+        except OSError as e:
+            raise ConfigError(f"model.name_or_path {cfg.name_or_path!r} could not be read ({e})") from None
+        if problem:
             raise ConfigError(f"model.name_or_path {cfg.name_or_path!r} is damaged: {problem}")
 
 
@@ -38,7 +44,7 @@ def damage(directory: str, checksums: bool = True, weights_only: bool = False) -
         try:
             with open(manifest) as f:
                 entries = json.load(f)
-        except (OSError, ValueError) as e:
+        except ValueError as e:
             return f"{manifest} is unreadable ({e})"
         for name, entry in entries.items():
             if weights_only and not name.endswith(WEIGHT_SUFFIXES):
@@ -64,6 +70,8 @@ def _dcp_damage(directory: str) -> str | None:
 
     try:
         metadata = dcp.FileSystemReader(directory).read_metadata()
+    except OSError:
+        raise
     except Exception as e:  # an unpickling error of any type: the index is damaged
         return f"{os.path.join(directory, '.metadata')} is unreadable ({type(e).__name__})"
     ends: dict[str, int] = {}
@@ -76,6 +84,52 @@ def _dcp_damage(directory: str) -> str | None:
         if os.path.getsize(path) < end:
             have = os.path.getsize(path)
             return f"{path} has {have:,} bytes but the checkpoint reads up to byte {end:,} (truncated)"
+    return None
+
+
+def load_damage(directory: str, checksums: bool = True) -> str | None:
+    """After a checkpoint failed to load: what in it shows damage, naming the file; None if nothing does,
+    and the failure came from elsewhere (an I/O timeout, memory, a rank). Costs a read of the whole
+    checkpoint, on one rank (docs/checkpoints.md)."""
+    if problem := damage(directory, checksums):
+        return problem
+    if not os.path.exists(os.path.join(directory, ".metadata")):
+        return f"{os.path.join(directory, '.metadata')} is missing"
+    for name in sorted(n for n in os.listdir(directory) if n.endswith(".json")):  # train_state.json's too
+        try:
+            with open(os.path.join(directory, name), "rb") as f:
+                json.load(f)
+        except ValueError as e:  # UnicodeDecodeError too
+            return f"{os.path.join(directory, name)} is not valid JSON ({e})"
+    if checksums and os.path.exists(os.path.join(directory, MANIFEST)):
+        return None  # every byte is as written: a read cannot fail on the content
+    return _unreadable_tensor(directory)
+
+
+def _unreadable_tensor(directory: str) -> str | None:
+    """Each tensor of a DCP checkpoint read as DCP reads it (torch.load of its byte range), one at a time:
+    what a damaged file without a manifest, or with checksums off, breaks."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(directory).read_metadata()
+    items = sorted(metadata.storage_data.items(), key=lambda item: (item[1].relative_path, item[1].offset))
+    for index, info in items:
+        if info.transform_descriptors or not isinstance(
+            metadata.state_dict_metadata.get(index.fqn), TensorStorageMetadata
+        ):
+            continue  # compressed, or not a tensor: our checkpoints hold neither
+        path = os.path.join(directory, info.relative_path)
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        try:
+            torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except MemoryError:
+            raise
+        except Exception as e:  # a format or unpickling error of any type: the bytes are damaged
+            return f"{path} is unreadable at {index.fqn} ({type(e).__name__})"
     return None
 
 

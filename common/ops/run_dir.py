@@ -8,10 +8,15 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from common.checkpoint import STEP_DIR, TRAIN_STATE, checkpoints_dir, saved_steps
 from common.config import CheckpointConfig, ConfigError
 from common.ops import integrity
+
+# A load that fails without evidence of damage leaves the checkpoint in place and exits non-zero: a requeue
+# or torchrun --max_restarts retries it in fresh processes (why not in-process: docs/checkpoints.md).
+RETRY = "it stays in place: rerun the same command (or requeue) to retry it"
 
 
 def find_resume_checkpoint(run_dir: str, resume: str, checksums: bool = True) -> str | None:
@@ -20,56 +25,92 @@ def find_resume_checkpoint(run_dir: str, resume: str, checksums: bool = True) ->
     directory themselves could disagree (a network filesystem's stale view on one node) and load different
     steps. Then every rank must see what rank 0 writes there: a node-local run directory could never be
     resumed. `checksums`: check every file's checksum against the manifest too (sizes always)."""
-    choice: list = [None, None]  # the path, or the error that stops every rank
+    choice: list = [None, None, None]  # the path, or what stops every rank: a config error, a read error
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
             choice[0] = _resume_checkpoint(run_dir, resume, checksums)
         except ConfigError as error:
             choice[1] = str(error)
+        except OSError as error:  # no evidence of damage: what is left stays for the next launch to retry
+            choice[2] = f"checkpoint: could not read a checkpoint to check it ({error}); {RETRY}"
     if dist.is_initialized():
         dist.broadcast_object_list(choice, src=0)
     if choice[1]:
         raise ConfigError(choice[1])
+    if choice[2]:
+        raise SystemExit(choice[2])
     if dist.is_initialized():
         check_shared_storage(run_dir)
     return choice[0]
 
 
 def load_or_set_aside(path: str | None, c: CheckpointConfig, load, *state) -> tuple[str | None, dict]:
-    """(the checkpoint loaded, its train_state) from `load(path, *state)`. Under resume=auto, one that passed
-    the checks but fails to load (a damaged file and no manifest to show it, or checksums off) is moved
-    aside like a damaged one, and the one before it is loaded instead: every tensor, the RNG and the
-    train state are loaded again, so nothing of the failed attempt remains."""
+    """(the checkpoint loaded, its train_state) from `load(path, *state)`. A load that fails is told apart
+    by the checkpoint itself (integrity.load_damage). Damaged, under resume=auto, it is moved aside like
+    one that failed the checks, and the one before it is loaded: every tensor, the RNG and the train state
+    again, so nothing of the failed attempt remains. Not damaged (an I/O error, memory, a rank that died),
+    nothing moves and every rank stops with one line, so a requeue or a restart retries it."""
     while path:
         loaded, error = {}, None
         try:
             loaded = load(path, *state)
         except ConfigError:  # another model's checkpoint: a person must choose
             raise
-        except Exception as failed:  # DCP raises on every rank when any rank's read failed
-            error = f"{type(failed).__name__}: {(str(failed).splitlines() or [''])[0]}"
-        if dist.is_initialized():  # one verdict: a rank whose own part loaded must not go on alone
-            errors = [None] * dist.get_world_size()
-            dist.all_gather_object(errors, error)
-            error = next((e for e in errors if e), None)
-        if error is None:
-            return path, loaded
+        except (Exception, CheckpointException) as failed:  # DCP's is a BaseException, raised on every rank
+            error = _reason(failed)
+        try:  # one verdict: a rank whose own part loaded must not go on alone
+            error = _first_on_any_rank(error)
+            if error is None:
+                return path, loaded
+            problem = _damage_seen_by_rank0(path, c.verify_checksums)
+        except Exception as failed:  # the collective itself failed (a rank died): no verdict, nothing moves
+            error, problem = error or _reason(failed), None
+        if problem is None:
+            raise SystemExit(f"checkpoint {path} could not be loaded ({error}) and shows no damage; {RETRY}")
         if c.resume != "auto":
             raise ConfigError(
-                f"checkpoint.resume {path!r} could not be loaded ({error}); resume from another "
+                f"checkpoint.resume {path!r} could not be loaded ({error}): {problem}; resume from another "
                 f"checkpoint, or set checkpoint.resume=none"
             )
         if not dist.is_initialized() or dist.get_rank() == 0:
             root, name = os.path.split(os.path.normpath(path))
             aside = _move_aside(root, name, "damaged")
-            print(f"checkpoint: {name} could not be loaded ({error}); moved it to {aside}", flush=True)
-        path = find_resume_checkpoint(c.dir, "auto", c.verify_checksums)
-        if path is None:
-            raise ConfigError(
-                f"checkpoint.resume=auto: no checkpoint of {c.dir!r} could be loaded (the last: {error}); "
-                f"they are under checkpoints/damaged/, and rerunning starts from step 0"
+            print(
+                f"checkpoint: {name} could not be loaded ({error}): {problem}; moved it to {aside}",
+                flush=True,
             )
+        path = find_resume_checkpoint(c.dir, "auto", c.verify_checksums)  # with none left, one line
     return None, {}
+
+
+def _reason(failed: BaseException) -> str:
+    """`Type: first line`; for DCP's CheckpointException, that of the exception it carries from the first
+    rank that failed, not its own text (every rank's traceback)."""
+    where = ""
+    if isinstance(failed, CheckpointException) and failed.failures:
+        rank, carried = min(failed.failures.items(), key=lambda item: item[0])
+        where, failed = f"rank {rank}: ", carried[0] if isinstance(carried, tuple) else carried
+    return f"{where}{type(failed).__name__}: {(str(failed).splitlines() or [''])[0]}"
+
+
+def _first_on_any_rank(error: str | None) -> str | None:
+    if not dist.is_initialized():
+        return error
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e), None)
+
+
+def _damage_seen_by_rank0(path: str, checksums: bool) -> str | None:
+    """Rank 0 looks for damage in the checkpoint, every rank takes its finding. A look that fails (the
+    storage is still unreachable, memory) is no evidence."""
+    problem: list = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        with contextlib.suppress(Exception):
+            problem[0] = integrity.load_damage(path, checksums)
+    if dist.is_initialized():
+        dist.broadcast_object_list(problem, src=0)
+    return problem[0]
 
 
 def _resume_checkpoint(run_dir: str, resume: str, checksums: bool) -> str | None:
@@ -97,6 +138,14 @@ def _resume_checkpoint(run_dir: str, resume: str, checksums: bool) -> str | None
             return path
         aside = _move_aside(root, f"step-{step}", "damaged")
         print(f"checkpoint: step-{step} is damaged ({problem}); moved it to {aside}", flush=True)
+    damaged = os.path.join(root, "damaged")
+    # Nothing is left, and starting over would silently drop the damaged ones' training: a person chooses.
+    if held := sorted(os.listdir(damaged) if os.path.isdir(damaged) else []):
+        raise ConfigError(
+            f"checkpoint.resume=auto: no checkpoint is left to resume, and {damaged} holds "
+            f"{', '.join(held)}; set checkpoint.resume=none to start from step 0, or "
+            f"checkpoint.resume=<a checkpoint path>"
+        )
     return None
 
 

@@ -18,7 +18,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     name_or_path: str | None = None  # local HF directory or hub id; None: from scratch
     config: dict = field(default_factory=dict)  # inline LlamaConfig kwargs, used when name_or_path is None
-    attn_implementation: str = "sdpa"
+    attn_implementation: str | None = None  # None: Transformers' choice for the model (sdpa, else eager)
     trust_remote_code: bool = False
 
 

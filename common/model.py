@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 from transformers.utils import logging as hf_logging
 
+from common import architectures, cp
 from common.config import ConfigError, ModelConfig
 
 
@@ -21,6 +22,7 @@ def load_model_config(cfg: ModelConfig, seq_len: int | None = None) -> Pretraine
     # Weights load and export once per run, on every rank: Transformers' progress bars would bury the log.
     hf_logging.disable_progress_bar()
     hf_config = _read_model_config(cfg)
+    architectures.check_causal_lm(hf_config)
     # No KV cache in training or evaluation: it costs memory, and with one Transformers stops detecting
     # packed sequences from restarting position ids.
     hf_config.use_cache = False
@@ -69,13 +71,32 @@ def _read_model_config(cfg: ModelConfig) -> PretrainedConfig:
 def build_meta_model(
     hf_config: PretrainedConfig, cfg: ModelConfig, gradient_checkpointing: bool = False
 ) -> nn.Module:
-    """The model's structure only: nothing is allocated until after sharding."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            hf_config,
-            attn_implementation=cfg.attn_implementation,
-            trust_remote_code=cfg.trust_remote_code,
-            dtype=torch.float32,
+    """The model's structure only: nothing is allocated until after sharding. Attention is
+    model.attn_implementation, or else what Transformers picks for the model (sdpa where it supports it)."""
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                hf_config,
+                attn_implementation=cfg.attn_implementation,
+                trust_remote_code=cfg.trust_remote_code,
+                dtype=torch.float32,
+            )
+    except (ValueError, ImportError) as e:
+        if cfg.attn_implementation is None:
+            raise
+        model_class = architectures.causal_lm_class(hf_config, cfg.trust_remote_code)
+        supported = architectures.supported_attention(model_class)
+        raise ConfigError(
+            f"model.attn_implementation is {cfg.attn_implementation!r}, which {model_class.__name__} "
+            f"cannot use ({str(e).splitlines()[0][:160]}); it supports {', '.join(supported)}, or leave the "
+            f"key unset for Transformers' choice"
+        ) from None
+    if cfg.attn_implementation in (cp.ATTENTION, cp.TORCH_ATTENTION) and not model._supports_sdpa:
+        supported = architectures.supported_attention(type(model))
+        raise ConfigError(
+            f"parallelism.cp_size > 1 needs attention that SDPA computes, and {type(model).__name__} does "
+            f"not support sdpa (only {', '.join(supported)}, e.g. for soft-capped attention scores); set "
+            f"parallelism.cp_size=1"
         )
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -106,13 +127,3 @@ def init_weights(model: nn.Module, seed: int, std: float) -> None:
                 full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
                 full = full.to_local()
             local.copy_(full)
-
-
-@torch.no_grad()
-def init_buffers(model: nn.Module, device: torch.device) -> None:
-    """Recompute non-persistent buffers (RoPE `inv_freq`), which `to_empty` leaves as garbage."""
-    for module in model.modules():
-        if hasattr(module, "inv_freq") and hasattr(module, "config"):
-            fresh = type(module)(module.config)
-            for name, buffer in fresh.named_buffers(recurse=False):
-                module.register_buffer(name, buffer.to(device), persistent=False)

@@ -76,10 +76,13 @@ def split_experts_over(mesh: DeviceMesh):
 
 def resolve_layer_classes(model: nn.Module, fsdp: FsdpConfig) -> set[str]:
     """transformer_layer_cls_to_wrap, or the model's `_no_split_modules` when empty; names must exist."""
-    names = set(
-        class_names(fsdp.transformer_layer_cls_to_wrap) or getattr(model, "_no_split_modules", None) or []
-    )
+    given = class_names(fsdp.transformer_layer_cls_to_wrap)
+    names = set(given or getattr(model, "_no_split_modules", None) or [])
     present = {type(m).__name__ for m in model.modules()}
+    if (
+        not given
+    ):  # a model's own list may name its multimodal sibling's classes (Qwen3.5-MoE's vision blocks)
+        names &= present
     if missing := names - present:
         raise ConfigError(
             f"fsdp.transformer_layer_cls_to_wrap names {sorted(missing)}, not in this model; "

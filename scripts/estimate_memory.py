@@ -45,11 +45,12 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from common import cp, lora, loss
+from common.architectures import init_buffers
 from common.config import Config, ConfigError, TrainConfig
 from common.data.batches import Batch
-from common.evaluate import forward_shard, head_loss
+from common.evaluate import score_shard
 from common.mesh import build_dp_mesh, build_meshes
-from common.model import build_meta_model, init_buffers, load_model_config
+from common.model import build_meta_model, load_model_config
 from common.moe import apply_tp_ep, build_moe_meshes, fsdp_meshes
 from common.ops.cli import run_cli
 from common.ops.config_sources import apply_override, load_config
@@ -135,7 +136,7 @@ def shard_on_meta(cfg: Config, recipe: str, world_size: int, device_type: str) -
     script = load_script(SCRIPTS_OF[recipe])
     t, cp_size = cfg.train, cfg.parallelism.cp_size
     checked = script.check_config(cfg, world_size) if recipe != "moe" else None
-    if recipe == "eval" or cp_size > 1:  # as the scripts' main() do; the planner runs the all-gather one
+    if cp_size > 1:  # as the scripts' main() do; the planner runs the all-gather one
         cfg.model.attn_implementation = cp.use_cp_attention()
     hf_config = load_model_config(cfg.model, cfg.data.seq_len)
     model = build_meta_model(hf_config, cfg.model, t.gradient_checkpointing)
@@ -269,16 +270,10 @@ def train_step(model, optimizer, loss, accumulation: int, sync_each_batch: bool)
 
 @torch.no_grad()
 def eval_step(model, batch, cp_state, cfg: Config) -> None:
-    """The evaluation's forward on this rank's positions and its chunked head loss (common/evaluate.py).
-    Always the all-gather attention: torch's ring attention (eval.attention=torch_cp) needs CUDA kernels,
-    and holds less."""
-    hidden = {}
-    handle = model.get_decoder().register_forward_hook(
-        lambda module, args, out: hidden.update(last=out.last_hidden_state)
-    )
-    labels = forward_shard(model, batch, torch.device("cpu"), cp_state, "allgather")
-    head_loss(model, hidden["last"], labels, cfg.eval.loss_chunk_tokens)
-    handle.remove()
+    """The evaluation's forward and loss on this rank's positions (common/evaluate.py). Always the
+    all-gather attention: torch's ring attention (eval.attention=torch_cp) needs CUDA kernels, and holds
+    less."""
+    score_shard(model, batch, torch.device("cpu"), cp_state, "allgather", cfg.eval.loss_chunk_tokens)
 
 
 def per_rank_state_bytes(cfg: Config, recipe: str, world_size: int, device_type: str) -> list[dict]:

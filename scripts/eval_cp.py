@@ -30,7 +30,8 @@ from torch.distributed.tensor.experimental._attention import _cp_options, set_ro
 # ask). It lists the CUDA kernels; tests/cpu_ring_attention.py adds the CPU one for the test suite.
 from torch.distributed.tensor.experimental._context_parallel._attention import custom_ops as cp_kernels
 
-from common import cp
+from common import cp, loss
+from common.architectures import init_buffers
 from common.config import Config, ConfigError
 from common.data.batches import load_tokenizer
 from common.data.embedded import ensure_embedded_tokenizer
@@ -38,7 +39,7 @@ from common.data.held_out import held_out_rows, rank_batches
 from common.data.sft import is_sft
 from common.evaluate import evaluate
 from common.mesh import build_dp_mesh, gather, init_distributed, resolve_device
-from common.model import build_meta_model, init_buffers, load_model_config
+from common.model import build_meta_model, load_model_config
 from common.ops.cli import parse_args, run_cli
 from common.ops.metrics import GIB, event_line, peak_memory_bytes, reset_peak_memory
 from common.ops.profiling import prepare_diagnostics
@@ -115,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv, description=__doc__)
     p, e, seq_len = cfg.parallelism, cfg.eval, cfg.data.seq_len
     attention = check_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
-    cfg.model.attn_implementation = cp.use_cp_attention(torch_cp=attention == "torch_cp")
+    if p.cp_size > 1 or attention == "torch_cp":  # at cp 1, the model's own attention
+        cfg.model.attn_implementation = cp.use_cp_attention(torch_cp=attention == "torch_cp")
     if cfg.data.tokenizer is None and os.path.exists(
         os.path.join(cfg.model.name_or_path, "tokenizer_config.json")
     ):
@@ -123,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     hf_config = load_model_config(cfg.model, seq_len)
     cp.check_cp(seq_len, p.cp_size, e.load_balance, hf_config)
     model = build_meta_model(hf_config, cfg.model)  # on `meta`: no memory yet
+    loss.compute_loss_in_output_layer(model)  # eval.loss_chunk_tokens: no full-vocabulary logits
     resolve_layer_classes(model, cfg.fsdp)  # a bad class name fails before any process group exists
 
     # A (dp, cp) mesh: each cp rank holds its (head-tail, with eval.load_balance) share of every sequence.

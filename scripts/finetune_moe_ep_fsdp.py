@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from common import loss
+from common.architectures import init_buffers
 from common.checkpoint import (
     checkpoints_dir,
     load_checkpoint,
@@ -40,7 +41,7 @@ from common.data.held_out import held_out_batches
 from common.data.sft import build_sft_batches
 from common.evaluate import evaluate
 from common.mesh import gather, init_distributed
-from common.model import build_meta_model, init_buffers, load_model_config
+from common.model import build_meta_model, load_model_config
 from common.moe import (
     MoeSizes,
     RouterLogits,

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from common import cp, lora, loss
+from common.architectures import init_buffers
 from common.checkpoint import (
     checkpoints_dir,
     load_checkpoint,
@@ -32,7 +33,7 @@ from common.data.checks import check_batch_sizes
 from common.data.held_out import held_out_batches
 from common.evaluate import evaluate
 from common.mesh import build_meshes, init_distributed, resolve_device, resolve_dp_sizes
-from common.model import build_meta_model, init_buffers, load_model_config
+from common.model import build_meta_model, load_model_config
 from common.ops.async_save import BackgroundSaves
 from common.ops.cli import parse_args, run_cli
 from common.ops.metrics import (

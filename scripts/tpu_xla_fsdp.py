@@ -34,11 +34,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from common.architectures import init_buffers
 from common.checkpoint import checkpoints_dir, finish_checkpoint, restore_train_state, train_state
 from common.config import Config, ConfigError, FsdpConfig
 from common.data.batches import build_batches
 from common.data.checks import check_vocab_size
-from common.model import build_meta_model, init_buffers, init_weights, load_model_config
+from common.model import build_meta_model, init_weights, load_model_config
 from common.ops.cli import parse_args, run_cli
 from common.ops.metrics import MetricsLogger, StepLog, checkpoint_record, flops_per_token
 from common.ops.run_dir import find_resume_checkpoint, load_or_set_aside
@@ -217,10 +218,10 @@ def shard_output(output, mesh) -> None:
 def build_model(cfg: Config) -> nn.Module:
     """The full fp32 model in host memory: the checkpoint's weights, or pretrain_fsdp.py's seeded
     initialisation (the same numbers, so both scripts start from the same model)."""
-    if cfg.model.attn_implementation not in ("sdpa", "eager"):
+    if cfg.model.attn_implementation not in (None, "sdpa", "eager"):
         raise ConfigError(
-            f"model.attn_implementation is {cfg.model.attn_implementation!r}; on XLA use eager (sdpa, "
-            f"the default, is replaced by eager)"
+            f"model.attn_implementation is {cfg.model.attn_implementation!r}; on XLA use eager (sdpa, and "
+            f"Transformers' default, are replaced by eager)"
         )
     # XLA autocast leaves SDPA's inputs alone and RoPE makes Q and K fp32 while V is bf16, which SDPA refuses;
     # eager attention's matmuls autocast, and XLA fuses them into one kernel anyway.

@@ -16,7 +16,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ["pretrain_fsdp", "finetune_moe_ep_fsdp", "eval_cp", "tpu_xla_fsdp", "estimate_memory"]
 PARTS = {"ops": "operations", "data": "data"}  # common/<folder>/; everything else in common/ is the core
 # Core modules of the features that came after the restructure ("copy the lesson"), each its own module.
-ADDED_SINCE = ("common/evaluate.py", "common/lora.py", "common/manifest.py", "common/tp.py")
+ADDED_SINCE = (
+    "common/architectures.py",
+    "common/evaluate.py",
+    "common/lora.py",
+    "common/manifest.py",
+    "common/tp.py",
+)
 
 
 def module_path(name: str) -> str | None:

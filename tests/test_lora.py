@@ -128,7 +128,8 @@ import torch, torch.distributed as dist
 from common import lora
 from common.config import Config, FsdpConfig, LoraConfig, ModelConfig
 from common.mesh import build_dp_mesh
-from common.model import build_meta_model, init_buffers, load_model_config
+from common.architectures import init_buffers
+from common.model import build_meta_model, load_model_config
 from common.optim import build_optimizer
 from common.weights import load_or_init_weights
 from common.wrap import apply_fsdp

@@ -9,9 +9,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig
 
+from common.architectures import init_buffers
 from common.config import ConfigError, FsdpConfig, ModelConfig
 from common.mesh import build_dp_mesh
-from common.model import build_meta_model, init_buffers, init_weights
+from common.model import build_meta_model, init_weights
 from common.wrap import apply_fsdp, reshard
 
 LAYERS = 3

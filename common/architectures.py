@@ -1,0 +1,103 @@
+"""What differs between the decoder architectures Transformers ships, found from the model itself, not from
+lists of names: which models the recipes train, which attention each can use, the buffers its construction
+computes, and whether it transforms its output layer's result (docs/features.md, "Which models")."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from accelerate import init_empty_weights
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from common.config import ConfigError
+
+
+def check_causal_lm(hf_config: PretrainedConfig) -> None:
+    """The recipes train decoder-only causal LMs: anything else is one line naming what is missing."""
+    model_type = hf_config.model_type
+    if getattr(hf_config, "is_encoder_decoder", False):
+        raise ConfigError(
+            f"model_type {model_type!r} is an encoder-decoder model; the recipes train decoder-only causal "
+            f"LMs (AutoModelForCausalLM)"
+        )
+    other = sorted(name for name in hf_config.sub_configs if name != "text_config")
+    if other:
+        raise ConfigError(
+            f"model_type {model_type!r} is a multimodal model ({', '.join(other)}); the recipes train its "
+            f"language model alone: give the text model's checkpoint or config (text_config's model_type "
+            f"{getattr(getattr(hf_config, 'text_config', None), 'model_type', '?')!r})"
+        )
+    if type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not getattr(hf_config, "auto_map", None):
+        raise ConfigError(
+            f"model_type {model_type!r} has no causal-LM head in Transformers (AutoModelForCausalLM does "
+            f"not know it); the recipes train decoder-only causal LMs"
+        )
+
+
+def supported_attention(model_class: type) -> list[str]:
+    """The attn_implementation values Transformers accepts for the class (eager always)."""
+    flags = {
+        "sdpa": "_supports_sdpa",
+        "flash_attention_2": "_supports_flash_attn",
+        "flex_attention": "_supports_flex_attn",
+    }
+    return ["eager", *(name for name, flag in flags.items() if getattr(model_class, flag, False))]
+
+
+def causal_lm_class(hf_config: PretrainedConfig, trust_remote_code: bool) -> type:
+    with torch.device("meta"):
+        return type(AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code))
+
+
+@torch.no_grad()
+def init_buffers(model: nn.Module, device: torch.device) -> None:
+    """Every buffer as the model's own construction computes it, which `to_empty` left uninitialised: RoPE
+    frequencies under any name, embedding scales (Gemma), masks. A list of names misses some, so the model is
+    built once more with its parameters on `meta` and its buffers real, and each buffer is copied across by
+    name. A loaded checkpoint then overwrites the persistent ones."""
+    config = copy.deepcopy(model.config)
+    with init_empty_weights(include_buffers=False):  # Accelerate's: parameters on meta, buffers computed
+        fresh = dict(type(model)._from_config(config, dtype=torch.float32).named_buffers())
+    for name, buffer in model.named_buffers():
+        name = name.replace(_CHECKPOINT_PREFIX, "").replace("_orig_mod.", "")  # AC's and compile's wrappers
+        buffer.copy_(fresh[name].to(buffer.dtype))
+
+
+class _HiddenStates:
+    """A decoder's output holding only its last hidden state; any other field the model reads is None."""
+
+    def __init__(self, hidden: torch.Tensor):
+        self.last_hidden_state = hidden
+
+    def __getattr__(self, name: str) -> None:
+        return None
+
+    def __getitem__(self, index: int) -> torch.Tensor | None:
+        return self.last_hidden_state if index == 0 else None
+
+
+@torch.no_grad()
+def returns_head_output(model: nn.Module) -> bool:
+    """Whether the model's forward returns its output layer's result as it is, found by running that forward
+    on `meta` with the decoder and the head stubbed out (no kernels, no collectives, milliseconds): a model
+    that scales or soft-caps its logits (Gemma 2/3, Cohere, Granite, ...) returns a new tensor. No list of
+    config names keeps up with Transformers' models; none in Transformers 5.24 changes them in place."""
+    head, decoder = model.get_output_embeddings(), model.get_decoder()
+    hidden = torch.zeros(1, 2, head.weight.shape[1], device="meta")
+    result = torch.zeros(1, 2, head.weight.shape[0], device="meta")
+    own = {
+        module: module.__dict__.get("forward") for module in (decoder, head)
+    }  # a forward set on the instance
+    decoder.forward = lambda *args, **kwargs: _HiddenStates(hidden)
+    head.forward = lambda hidden: result
+    try:
+        return model(input_ids=torch.zeros(1, 2, dtype=torch.long, device="meta")).logits is result
+    finally:
+        for module, forward in own.items():
+            del module.forward
+            if forward is not None:
+                module.forward = forward

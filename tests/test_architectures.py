@@ -1,0 +1,223 @@
+"""Every decoder architecture in the matrix trains as exactly Transformers' model: after sharding and loading,
+every parameter and buffer is `from_pretrained`'s; the training loss, evaluate(), eval_cp.py and the
+fixed-batch loss are Transformers' own forward loss on the same tokens; LoRA trains on the same base; both
+exports load back with the trained loss. Tiny random checkpoints are made here (no downloads), with the
+logit transforms switched on at realistic values. One launch per world size runs every architecture
+(tests/arch_matrix.py)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from common.config import ConfigError, ModelConfig
+from common.model import build_meta_model, load_model_config
+from launch import event, read_metrics, run_command, torchrun
+
+DENSE = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "granite"]
+DENSE += ["smollm3", "starcoder2", "gpt_neox", "cohere2", "glm4", "phi", "falcon"]
+MOE = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss", "granitemoe", "qwen3_next"]
+SIZES = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16)
+SIZES |= dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+SIZES |= dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+# MoE: 4 experts, 2 per token; Qwen2-MoE's shared expert as small as the rest
+SIZES |= dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+SIZES |= dict(shared_expert_intermediate_size=32)
+# The logit transforms at the values of real checkpoints (Gemma 2/3: 30; Granite 3 8B: 16; Command R7B)
+TRANSFORMS = {
+    "gemma2": dict(final_logit_softcapping=30.0),
+    "gemma3_text": dict(final_logit_softcapping=30.0),
+    "granite": dict(logits_scaling=16.0),
+    "cohere2": dict(logit_scale=0.25),
+}
+TIED = {"qwen2", "gemma2", "gemma3_text", "phi3"}  # tied input and output embeddings, as their families ship
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory) -> dict:
+    """Each architecture's checkpoint, and the recipes' records on 1 and 2 ranks."""
+    root = tmp_path_factory.mktemp("architectures")
+    checkpoints = root / "checkpoints"
+    for arch in DENSE + MOE:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+        model.save_pretrained(checkpoints / arch)
+    driver = os.path.join(os.path.dirname(__file__), "arch_matrix.py")
+    for nproc in (1, 2):
+        args = [str(root / f"ranks{nproc}"), str(checkpoints), *DENSE, *MOE]
+        run_command([*torchrun(nproc), driver, *args], timeout=900)
+    return {"root": root, "checkpoints": checkpoints}
+
+
+def tiny_config(arch: str):
+    """The architecture at the sizes above, with its logit transform on; a size the config computes itself
+    (Falcon's head_dim) is left to it."""
+    computed = type(AutoConfig.for_model(arch))
+    sizes = {k: v for k, v in SIZES.items() if not isinstance(getattr(computed, k, None), property)}
+    config = AutoConfig.for_model(arch, **sizes, **TRANSFORMS.get(arch, {}))
+    config.tie_word_embeddings = arch in TIED
+    return config
+
+
+def reference(matrix: dict, arch: str, path: str | None = None):
+    source = path or str(matrix["checkpoints"] / arch)
+    return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+
+
+@torch.no_grad()
+def hf_loss(model, batches: list[dict]) -> float:
+    """Transformers' own loss (its loss_function, mean over target tokens) on pre-shifted labels,
+    token-weighted over the batches."""
+    total, tokens = 0.0, 0
+    for batch in batches:
+        count = int((batch["labels"] != -100).sum())
+        if not count:
+            continue
+        out = model(
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            labels=batch["labels"].contiguous(),
+            shift_labels=batch["labels"].contiguous(),
+            use_cache=False,  # with a cache, Transformers does not detect packed examples by position ids
+        )
+        total, tokens = total + float(out.loss) * count, tokens + count
+    return total / tokens
+
+
+def records(matrix: dict, nproc: int, arch: str, run: str, name: str) -> list[dict]:
+    return [
+        torch.load(p) for p in sorted(glob.glob(str(matrix["root"] / f"ranks{nproc}" / arch / run / name)))
+    ]
+
+
+def run_dir(matrix: dict, nproc: int, arch: str, run: str):
+    return matrix["root"] / f"ranks{nproc}" / arch / run
+
+
+def assert_is_transformers_model(ready: dict, model) -> None:
+    """Every parameter and every buffer (persistent or not) bit for bit."""
+    expected = dict(model.named_parameters())
+    parameters = {k.replace(".base_layer", ""): v for k, v in ready["parameters"].items() if "lora_" not in k}
+    assert parameters.keys() == expected.keys()
+    for name, tensor in parameters.items():
+        assert torch.equal(tensor, expected[name]), name
+    buffers = dict(model.named_buffers())
+    assert ready["buffers"].keys() == buffers.keys()
+    for name, tensor in ready["buffers"].items():
+        assert tensor.dtype == buffers[name].dtype and torch.equal(tensor, buffers[name]), name
+
+
+@pytest.mark.parametrize("arch", DENSE + MOE)
+def test_the_recipes_train_transformers_model_exactly(matrix, arch):
+    model = reference(matrix, arch)
+    runs = ["full"] if arch in MOE else ["full", "lora"]
+    for nproc in (1, 2):
+        for run in runs:
+            where = f"{arch} {run} on {nproc} rank(s)"
+            [ready] = records(matrix, nproc, arch, run, "ready.pt")
+            assert_is_transformers_model(ready, model)
+            # The training loss at step 1 (the loss path with gradients), over every rank's micro-batches
+            step1 = records(matrix, nproc, arch, run, "step1-rank*.pt")
+            batches = [b for r in step1 for b in r["batches"]]
+            assert step1[0]["result"]["loss"] == pytest.approx(hf_loss(model, batches), abs=ATOL), where
+            # evaluate() at step 0 on the held-out rows
+            evals = records(matrix, nproc, arch, run, "eval-rank*.pt")
+            held_out = [b for r in evals for b in r["batches"]]
+            expected = hf_loss(model, held_out)
+            assert evals[0]["result"]["eval_loss"] == pytest.approx(expected, abs=ATOL), where
+            if arch in MOE:
+                continue
+            # The fixed-batch loss (the no-gradient path) and evaluate() on that batch
+            [fixed] = records(matrix, nproc, arch, run, "fixed.pt")
+            tokens = int((fixed["batch"]["labels"] != -100).sum())
+            fixed_loss = hf_loss(model, [fixed["batch"]])
+            assert fixed["loss_sum"] / tokens == pytest.approx(fixed_loss, abs=ATOL), where
+            assert fixed["evaluate"]["eval_loss"] == pytest.approx(fixed_loss, abs=ATOL), where
+        # 1 rank = 2 ranks
+        for run in runs:
+            one, two = (read_metrics(run_dir(matrix, n, arch, run)) for n in (1, 2))
+            assert [r["loss"] for r in one if "step" in r and "loss" in r] == pytest.approx(
+                [r["loss"] for r in two if "step" in r and "loss" in r], abs=ATOL
+            )
+
+
+@pytest.mark.parametrize("arch", DENSE + MOE)
+def test_the_exports_load_back_with_the_trained_loss(matrix, arch):
+    """The FULL export in Transformers, and eval_cp.py on it; LoRA's in PEFT."""
+    full_dir = run_dir(matrix, 2, arch, "full")
+    trained = reference(matrix, arch, str(full_dir / "export"))
+    evals = records(matrix, 2, arch, "eval_cp", "eval-rank*.pt")
+    held_out = [b for r in evals for b in r["batches"]]
+    assert evals[0]["result"]["eval_loss"] == pytest.approx(hf_loss(trained, held_out), abs=ATOL)
+    if arch in MOE:
+        return
+    [fixed] = records(matrix, 2, arch, "full", "fixed.pt")
+    final = event(read_metrics(full_dir), "final")
+    assert final["fixed_batch_loss"] == pytest.approx(hf_loss(trained, [fixed["batch"]]), abs=ATOL)
+    lora_dir = run_dir(matrix, 2, arch, "lora")
+    adapted = PeftModel.from_pretrained(reference(matrix, arch), str(lora_dir / "export"))
+    final = event(read_metrics(lora_dir), "final")
+    assert final["fixed_batch_loss"] == pytest.approx(hf_loss(adapted, [fixed["batch"]]), abs=ATOL)
+
+
+@pytest.mark.parametrize("arch", DENSE)
+def test_lora_trains_on_the_same_base_and_every_adapter_gets_a_gradient(matrix, arch):
+    """lora_B starts at zero: step 0's held-out loss is full fine-tuning's, and every lora_B gets a gradient
+    at step 1 (every lora_A's is zero there, by the same zero)."""
+    for nproc in (1, 2):
+        full, lora = (read_metrics(run_dir(matrix, nproc, arch, run)) for run in ("full", "lora"))
+        step0 = [
+            next(r["eval_loss"] for r in m if r.get("event") == "eval" and r["step"] == 0)
+            for m in (full, lora)
+        ]
+        assert step0[0] == step0[1]
+        [step1] = records(matrix, nproc, arch, "lora", "step1-rank0.pt")
+        norms = step1["grad_norms"]
+        assert norms and all("lora_" in name for name in norms)
+        lora_b = {name: norm for name, norm in norms.items() if "lora_B" in name}
+        assert len(lora_b) == len(norms) // 2 and all(norm > 0 for norm in lora_b.values()), lora_b
+
+
+def test_attention_follows_the_model_and_a_bad_value_is_one_line(tmp_path):
+    """Unset: Transformers' choice (Gemma 2's soft-capped attention: eager). A value the model cannot use, and
+    CP on a model whose attention SDPA cannot compute, are one line before any work."""
+    gemma2 = ModelConfig(config={"model_type": "gemma2", **SIZES})
+    model = build_meta_model(load_model_config(gemma2), gemma2)
+    assert model.config._attn_implementation == "eager"
+    llama = ModelConfig(config={"model_type": "llama", **SIZES})
+    assert build_meta_model(load_model_config(llama), llama).config._attn_implementation == "sdpa"
+    gemma2.attn_implementation = "sdpa"
+    with pytest.raises(ConfigError, match="'sdpa', which Gemma2ForCausalLM cannot use.*supports eager"):
+        build_meta_model(load_model_config(gemma2), gemma2)
+    config = tmp_path / "gemma2_cp.json"
+    # full attention only: sliding windows are refused under CP for a reason of their own
+    layers = {"num_hidden_layers": 2, "layer_types": ["full_attention"] * 2}
+    config.write_text(json.dumps({"model": {"config": {**gemma2.config, **layers}}}))
+    proc = run_command(
+        [*torchrun(2), "scripts/pretrain_fsdp.py", "--config", str(config), "parallelism.cp_size=2"],
+        check=False,
+    )
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if "config error" in line]
+    assert len(lines) == 2 and "Gemma2ForCausalLM does not support sdpa" in lines[0], proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "model_type, says",
+    [
+        ("t5", "'t5' is an encoder-decoder model"),
+        ("gemma3", "'gemma3' is a multimodal model (vision_config).*'gemma3_text'"),
+        ("llava", "'llava' is a multimodal model"),
+        ("vit", "'vit' has no causal-LM head in Transformers"),
+    ],
+)
+def test_models_the_recipes_do_not_train_are_refused_naming_what_is_missing(model_type, says):
+    with pytest.raises(ConfigError, match=says):
+        load_model_config(ModelConfig(config={"model_type": model_type}))

@@ -10,7 +10,7 @@ import torch
 from accelerate import init_empty_weights
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from common.config import ConfigError
@@ -48,9 +48,9 @@ def supported_attention(model_class: type) -> list[str]:
     return ["eager", *(name for name, flag in flags.items() if getattr(model_class, flag, False))]
 
 
-def causal_lm_class(hf_config: PretrainedConfig, trust_remote_code: bool) -> type:
-    with torch.device("meta"):
-        return type(AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code))
+def causal_lm_class(hf_config: PretrainedConfig) -> type | None:
+    """Transformers' causal-LM class for the config; None for remote code."""
+    return MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
 
 
 @torch.no_grad()

@@ -84,12 +84,16 @@ def build_meta_model(
     except (ValueError, ImportError) as e:
         if cfg.attn_implementation is None:
             raise
-        model_class = architectures.causal_lm_class(hf_config, cfg.trust_remote_code)
-        supported = architectures.supported_attention(model_class)
+        model_class = architectures.causal_lm_class(hf_config)
+        supported = (
+            f"it supports {', '.join(architectures.supported_attention(model_class))}, "
+            if model_class
+            else ""
+        )
         raise ConfigError(
-            f"model.attn_implementation is {cfg.attn_implementation!r}, which {model_class.__name__} "
-            f"cannot use ({str(e).splitlines()[0][:160]}); it supports {', '.join(supported)}, or leave the "
-            f"key unset for Transformers' choice"
+            f"model.attn_implementation is {cfg.attn_implementation!r}, which "
+            f"{getattr(model_class, '__name__', 'this model')} cannot use ({str(e).splitlines()[0][:160]}); "
+            f"{supported}or leave the key unset for Transformers' choice"
         ) from None
     if cfg.attn_implementation in (cp.ATTENTION, cp.TORCH_ATTENTION) and not model._supports_sdpa:
         supported = architectures.supported_attention(type(model))

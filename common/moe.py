@@ -100,13 +100,19 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
     return [m for name, m in model.named_modules() if replace_layer_number_by_wildcard(name) in dispatched]
 
 
+def no_load_balancing_loss(router_logits: tuple[torch.Tensor, ...], *args) -> torch.Tensor:
+    """The auxiliary loss of a model that balances its experts without one (DeepSeek-V3's bias-adjusted
+    routing, GLM-4.5's, ...): Transformers trains them with none."""
+    return router_logits[0].new_zeros(())
+
+
 def moe_parts(model: nn.Module) -> tuple[int, Callable] | None:
     """(experts per layer, the model's load-balancing loss), or None for a model without an expert plan."""
     experts = expert_modules(model)
     module = importlib.import_module(type(model).__module__)
-    aux_loss = getattr(module, "load_balancing_loss_func", None)
+    aux_loss = getattr(module, "load_balancing_loss_func", no_load_balancing_loss)
     records_router = "router_logits" in (getattr(type(model.base_model), "_can_record_outputs", None) or {})
-    if not experts or aux_loss is None or not records_router:
+    if not experts or not records_router:
         return None
     return next(experts[0].parameters()).shape[0], aux_loss
 

@@ -50,6 +50,7 @@ from common.moe import (
     data_parallel_rank,
     fsdp_meshes,
     moe_parts,
+    no_load_balancing_loss,
     resolve_moe_sizes,
     router_load,
 )
@@ -213,10 +214,14 @@ def check_config(cfg: Config, world_size: int, model) -> tuple[MoeSizes, int, Ca
     if parts is None:
         raise ConfigError(
             f"model {cfg.model.name_or_path or 'model.config'} is a {type(model).__name__}, not a "
-            f"mixture-of-experts model with an expert plan; use scripts/pretrain_fsdp.py for dense models, "
-            f"or a Qwen3-MoE/Mixtral-style MoE"
+            f"mixture-of-experts model with an expert plan; use scripts/pretrain_fsdp.py for dense models"
         )
     num_experts, aux_loss_fn = parts
+    if aux_loss_fn is no_load_balancing_loss and t.router_aux_loss_coef:
+        raise ConfigError(
+            f"train.router_aux_loss_coef is {t.router_aux_loss_coef} but {type(model).__name__} has no "
+            f"load-balancing loss (it balances its experts by its routing); leave it unset"
+        )
     sizes = resolve_moe_sizes(p, world_size, num_experts)
     check_batch_sizes(t, sizes.dp)
     resolve_layer_classes(model, cfg.fsdp)  # a bad class name fails before any process group exists

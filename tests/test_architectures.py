@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from common.config import ConfigError, ModelConfig
 from common.model import build_meta_model, load_model_config
-from launch import event, read_metrics, run_command, torchrun
+from launch import estimate, event, read_metrics, run_command, torchrun
 
 DENSE = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "granite"]
 DENSE += ["smollm3", "starcoder2", "gpt_neox", "cohere2", "glm4", "phi", "falcon"]
@@ -204,7 +204,7 @@ def test_attention_follows_the_model_and_a_bad_value_is_one_line(tmp_path):
         [*torchrun(2), "scripts/pretrain_fsdp.py", "--config", str(config), "parallelism.cp_size=2"],
         check=False,
     )
-    assert proc.returncode == 2
+    assert proc.returncode != 0  # torchrun's own code; each rank exited 2
     lines = [line for line in proc.stderr.splitlines() if "config error" in line]
     assert len(lines) == 2 and "Gemma2ForCausalLM does not support sdpa" in lines[0], proc.stderr[-2000:]
 
@@ -213,7 +213,7 @@ def test_attention_follows_the_model_and_a_bad_value_is_one_line(tmp_path):
     "model_type, says",
     [
         ("t5", "'t5' is an encoder-decoder model"),
-        ("gemma3", "'gemma3' is a multimodal model (vision_config).*'gemma3_text'"),
+        ("gemma3", r"'gemma3' is a multimodal model \(vision_config\).*'gemma3_text'"),
         ("llava", "'llava' is a multimodal model"),
         ("vit", "'vit' has no causal-LM head in Transformers"),
     ],
@@ -221,3 +221,19 @@ def test_attention_follows_the_model_and_a_bad_value_is_one_line(tmp_path):
 def test_models_the_recipes_do_not_train_are_refused_naming_what_is_missing(model_type, says):
     with pytest.raises(ConfigError, match=says):
         load_model_config(ModelConfig(config={"model_type": model_type}))
+
+
+def test_the_planner_plans_full_logits_for_a_model_that_transforms_them(tmp_path):
+    """Granite divides its logits after the head: the planner runs the same check as training, so its peak
+    is that of full logits whatever train.loss_chunk_tokens says, above chunked Llama at equal sizes."""
+    peaks = {}
+    for arch in ("llama", "granite"):
+        config = tmp_path / f"{arch}.json"
+        model = {k: v for k, v in SIZES.items() if "expert" not in k}
+        run = {"model": {"config": {"model_type": arch, **model}}, "data": {"seq_len": 64}, "train": {}}
+        config.write_text(json.dumps(run))
+        for chunk in (32, 0):
+            planned = estimate(str(config), 2, f"train.loss_chunk_tokens={chunk}", quick=True)
+            peaks[arch, chunk] = planned["peak_gib_per_rank"]
+    assert peaks["granite", 32] == peaks["granite", 0]
+    assert peaks["llama", 32] < peaks["llama", 0] <= peaks["granite", 0]

@@ -16,6 +16,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from common.architectures import init_buffers
 from common.config import ConfigError, ModelConfig
 from common.model import build_meta_model, load_model_config
 from launch import estimate, event, read_metrics, run_command, torchrun
@@ -237,3 +238,19 @@ def test_the_planner_plans_full_logits_for_a_model_that_transforms_them(tmp_path
             peaks[arch, chunk] = planned["peak_gib_per_rank"]
     assert peaks["granite", 32] == peaks["granite", 0]
     assert peaks["llama", 32] < peaks["llama", 0] <= peaks["granite", 0]
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "gemma2", "phi3"])
+def test_a_model_from_scratch_gets_the_buffers_its_construction_computes(arch):
+    """model.config with a model_type: after to_empty, init_buffers gives every buffer (Gemma's embedding
+    scale, per-layer-type RoPE frequencies) exactly as building the model for real does."""
+    cfg = ModelConfig(config={"model_type": arch, **SIZES})
+    hf_config = load_model_config(cfg)
+    model = build_meta_model(hf_config, cfg)
+    model.to_empty(device="cpu")
+    init_buffers(model, torch.device("cpu"))
+    expected = dict(AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).named_buffers())
+    buffers = dict(model.named_buffers())
+    assert buffers.keys() == expected.keys() and len(buffers) >= 2
+    for name, tensor in buffers.items():
+        assert torch.equal(tensor, expected[name]), name

@@ -23,7 +23,9 @@ from launch import estimate, event, read_metrics, run_command, torchrun
 
 DENSE = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "granite"]
 DENSE += ["smollm3", "starcoder2", "gpt_neox", "cohere2", "glm4", "phi", "falcon"]
+# gpt_oss: attention sinks; qwen3_next: linear attention; deepseek_v3, glm4_moe: no auxiliary loss
 MOE = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss", "granitemoe", "qwen3_next"]
+MOE += ["deepseek_v3", "glm4_moe"]
 SIZES = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16)
 SIZES |= dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 SIZES |= dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
@@ -37,6 +39,11 @@ TRANSFORMS = {
     "granite": dict(logits_scaling=16.0),
     "cohere2": dict(logit_scale=0.25),
 }
+# DeepSeek's multi-head latent attention (the RoPE part as wide as a head, a KV head per query head); experts
+# routed in one group, one shared, the first layer dense
+MLA = dict(qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=16, q_lora_rank=16)
+EXPERTS = dict(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)
+PER_ARCH = {**TRANSFORMS, "deepseek_v3": {**MLA, **EXPERTS, "num_key_value_heads": 4}, "glm4_moe": EXPERTS}
 TIED = {"qwen2", "gemma2", "gemma3_text", "phi3"}  # tied input and output embeddings, as their families ship
 ATOL = 1e-5
 
@@ -62,7 +69,7 @@ def tiny_config(arch: str):
     (Falcon's head_dim) is left to it."""
     computed = type(AutoConfig.for_model(arch))
     sizes = {k: v for k, v in SIZES.items() if not isinstance(getattr(computed, k, None), property)}
-    config = AutoConfig.for_model(arch, **sizes, **TRANSFORMS.get(arch, {}))
+    config = AutoConfig.for_model(arch, **{**sizes, **PER_ARCH.get(arch, {})})
     config.tie_word_embeddings = arch in TIED
     return config
 

@@ -84,6 +84,9 @@ class FsdpConfig:
     state_dict_type: Literal["FULL_STATE_DICT", "SHARDED_STATE_DICT"] = "FULL_STATE_DICT"  # FULL, SHARDED too
     cpu_ram_efficient_loading: bool = False
     activation_checkpointing: bool = False
+    # Accelerate's: with activation_checkpointing, each checkpointed layer's saved inputs go to host memory
+    # until backward (torch's offload_wrapper), so they leave device memory
+    activation_checkpointing_offload: bool = False
     # With activation_checkpointing: "full" recomputes each layer; N checkpoints every Nth layer only; "op"
     # saves each layer's matmul and attention outputs and recomputes the rest (elementwise ops, norms)
     ac_policy: Literal["full", "op"] | int = "full"
@@ -99,12 +102,14 @@ class FsdpConfig:
 class ParallelismConfig:
     dp_replicate_size: int = 1
     dp_shard_size: int = -1  # -1: the rest of the world
-    fsdp_size: int = -1
+    fsdp_size: int = -1  # Transformers' name (DistributedConfig), MoE recipe only; elsewhere dp_shard_size
     ep_size: int = 1
     tp_size: int = 1
     cp_size: int = 1
     sp_size: int = 1
-    cp_comm_strategy: Literal["allgather", "alltoall"] = "allgather"  # how torch_cp's ring passes K/V
+    # How torch_cp's ring (evaluation with eval.attention=torch_cp) passes K/V shards; training always
+    # all-gathers K/V (common/cp.py)
+    cp_comm_strategy: Literal["allgather", "alltoall"] = "allgather"
     timeout_minutes: float = 10.0  # collective timeout: a dead rank ends the job instead of hanging it
 
 
@@ -296,9 +301,12 @@ def _check_evaluation(cfg: Config) -> None:
             "checkpoint.load_best_model_at_end is true but eval.interval is 0, so there is no best model; "
             "set eval.interval (e.g. 10), or checkpoint.load_best_model_at_end=false"
         )
-    if c.load_best_model_at_end and (not c.interval or e.interval % c.interval):
+    # The Trainer's rule: save_steps a round multiple of eval_steps, so every checkpoint has an evaluation to
+    # rank it by; common/ops/stopping.py picks among the checkpointed steps as the Trainer does. A divisor
+    # works as well: every evaluation then has a checkpoint.
+    if c.load_best_model_at_end and (not c.interval or (c.interval % e.interval and e.interval % c.interval)):
         raise ConfigError(
-            f"checkpoint.load_best_model_at_end needs a checkpoint at every evaluation, but "
+            f"checkpoint.load_best_model_at_end picks among the checkpoints by their evaluations, but "
             f"checkpoint.interval is {c.interval} and eval.interval is {e.interval}; set checkpoint.interval "
-            f"to a divisor of {e.interval} (e.g. {e.interval})"
+            f"to a multiple of {e.interval} (the Trainer's rule for save_steps and eval_steps) or a divisor"
         )

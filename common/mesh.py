@@ -18,7 +18,6 @@ from common.config import ConfigError, ParallelismConfig
 class Dist:
     rank: int
     world_size: int
-    local_rank: int
     device: torch.device
 
     @property
@@ -54,7 +53,7 @@ def init_distributed(device_preference: str, timeout_minutes: float) -> Dist:
         dist.init_process_group(backend, timeout=timeout, device_id=device if cuda else None)
     else:  # plain `python script.py`: a one-rank group, so FSDP runs the same code as under torchrun
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), device)
+    return Dist(dist.get_rank(), dist.get_world_size(), device)
 
 
 def resolve_dp_sizes(p: ParallelismConfig, world_size: int) -> tuple[int, int]:

@@ -7,7 +7,7 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as ac
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -40,10 +40,13 @@ def _save_matmuls_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_BY_OP_POLICY else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def checkpoint_layers(model: nn.Module, layer_classes: set[str], policy: str | int) -> None:
+def checkpoint_layers(
+    model: nn.Module, layer_classes: set[str], policy: str | int, offload: bool = False
+) -> None:
     """Non-reentrant AC of all layers ("full", "op") or of every Nth, counted back from the last so that it
     stays unwrapped: backward starts there, and recomputing it while all other layers' activations are
-    alive would add a layer to the peak."""
+    alive would add a layer to the peak. `offload`, as Accelerate does it: torch's offload_wrapper keeps what
+    each checkpoint saves, the layer's input, in host memory until backward (docs/memory.md)."""
     context = {}
     if policy == "op":
         context["context_fn"] = partial(create_selective_checkpoint_contexts, _save_matmuls_and_attention)
@@ -56,8 +59,8 @@ def checkpoint_layers(model: nn.Module, layer_classes: set[str], policy: str | i
     for from_last, (parent, name, layer) in enumerate(reversed(layers), start=1):
         if isinstance(policy, int) and from_last % policy:
             continue
-        wrapped = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **context)
-        parent.register_module(name, wrapped)
+        wrapped = ac.checkpoint_wrapper(layer, checkpoint_impl=ac.CheckpointImpl.NO_REENTRANT, **context)
+        parent.register_module(name, ac.offload_wrapper(wrapped) if offload else wrapped)
 
 
 def split_experts_over(mesh: DeviceMesh):
@@ -108,7 +111,9 @@ def _tied_parameter_owners(model: nn.Module) -> set[nn.Module]:
 
 
 def _layer_name(module: nn.Module) -> str:
-    return type(getattr(module, "_checkpoint_wrapped_module", module)).__name__
+    while hasattr(module, "_checkpoint_wrapped_module"):  # AC's wrapper, maybe inside an offload wrapper
+        module = module._checkpoint_wrapped_module
+    return type(module).__name__
 
 
 def _layers(model: nn.Module, layer_classes: set[str]) -> list[nn.Module]:
@@ -179,7 +184,7 @@ def apply_fsdp(
     `training=False` (forward only) reshards every unit after forward, as the key says."""
     layer_classes = resolve_layer_classes(model, fsdp)
     if fsdp.activation_checkpointing:  # before fully_shard, so FSDP's hooks see the wrappers
-        checkpoint_layers(model, layer_classes, fsdp.ac_policy)
+        checkpoint_layers(model, layer_classes, fsdp.ac_policy, fsdp.activation_checkpointing_offload)
     compiled = 0
     if compile_layers:
         for module in _layers(model, layer_classes):
@@ -224,6 +229,7 @@ def apply_fsdp(
     return {
         "fsdp_units": len(experts) + len(units) + 1,
         "compiled_layers": compiled,
+        "offloaded_layers": sum(isinstance(m, ac.OffloadWrapper) for m in model.modules()),
         "units_kept_after_forward": len(kept),
         "params_kept_after_forward": sum(sizes.values()),
     }

@@ -21,6 +21,8 @@ Planning for a GPU on a CPU (--device cuda, the default):
 - Not counted: the CUDA context, NCCL buffers and allocator fragmentation; --reserve-gib (default 3) is added
   to the peak before it is compared with --gpu-memory-gib.
 - train.compile is ignored: compiled layers fuse elementwise ops and save less, so eager is an upper bound.
+- fsdp.activation_checkpointing_offload: each checkpointed layer's input leaves device memory until backward
+  copies it back (HostCopies below); host memory is not counted.
 - Gradient clipping and the loss's host reads (.item()) are left out: they hold a few scalars per tensor.
 - MoE: tokens are routed evenly (fake tensors have no values to route by); a skewed router sends some ranks
   more. The held-out evaluation before training is not planned.
@@ -42,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as ac_wrappers
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from common import cp, lora, loss
@@ -81,6 +84,18 @@ CATEGORIES = {
 }
 
 
+class HostCopies(torch.autograd.graph.saved_tensors_hooks):
+    """What torch's offload_wrapper (fsdp.activation_checkpointing_offload) does on a GPU, as the tracker
+    must see it: save_on_cpu moves each checkpointed layer's input to host memory, which is not counted, and
+    backward copies it back into a new device tensor. Here every tensor is on the CPU and the copy would be
+    counted, so only the shape is kept (fake tensors hold no data)."""
+
+    def __init__(self, pin_memory: bool = False, device_type: str = "cuda") -> None:
+        super().__init__(
+            lambda tensor: (tensor.shape, tensor.dtype), lambda kept: torch.empty(kept[0], dtype=kept[1])
+        )
+
+
 def load_script(name: str):
     """A recipe script as a module, for its config check and loss: the estimate runs the recipe's code."""
     spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
@@ -114,7 +129,7 @@ def pick_recipe(requested: str, config_path: str, cfg: Config, hf_config) -> str
 def fake_batch(micro_batch: int, seq_len: int, vocab: int, documents: bool) -> Batch:
     """`documents`: position ids per packed document or SFT example, which CP attention masks by."""
     input_ids = torch.randint(0, vocab, (micro_batch, seq_len))
-    batch = Batch(input_ids=input_ids, labels=input_ids.clone(), sample_indices=[])
+    batch = Batch(input_ids=input_ids, labels=input_ids.clone())
     if documents:  # a packed row of real tokens
         batch.position_ids = torch.arange(seq_len).expand(micro_batch, -1)
         batch.token_mask = torch.ones_like(input_ids, dtype=torch.bool)
@@ -409,6 +424,7 @@ def main(argv: list[str] | None = None) -> None:
     recipe = pick_recipe(args.recipe, args.config, cfg, load_model_config(cfg.model))
     cfg.train.compile = False
     isolate_sharding_propagation()
+    ac_wrappers.save_on_cpu = HostCopies  # what offload_wrapper's forward enters, looked up at each call
     route_tokens_evenly()
     grouped_mm_in_float32()
     budget = args.gpu_memory_gib - args.reserve_gib

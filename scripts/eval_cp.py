@@ -51,7 +51,7 @@ CPU_SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 def check_config(cfg: Config, world_size: int) -> str:
     """Bad sizes and keys fail here, before any process group or memory; returns the attention to use."""
-    p, e = cfg.parallelism, cfg.eval
+    p, e, defaults = cfg.parallelism, cfg.eval, Config()
     cp.check_cp(cfg.data.seq_len, p.cp_size, e.load_balance)
     for key in ("sp_size", "tp_size", "ep_size", "dp_replicate_size"):
         if getattr(p, key) != 1:  # never silently ignored
@@ -60,10 +60,19 @@ def check_config(cfg: Config, world_size: int) -> str:
             )
     if world_size % p.cp_size:
         raise ConfigError(f"parallelism.cp_size={p.cp_size} does not divide the world size {world_size}")
+    if not e.load_balance and p.cp_size == 1:
+        raise ConfigError(
+            "eval.load_balance is false but parallelism.cp_size is 1, so no sequence is sharded; remove it"
+        )
     if p.dp_shard_size not in (-1, world_size // p.cp_size):
         raise ConfigError(
             f"parallelism.dp_shard_size is {p.dp_shard_size} but world size {world_size} / cp_size "
             f"{p.cp_size} leaves {world_size // p.cp_size} data-parallel ranks; set it to -1"
+        )
+    if p.fsdp_size != -1:  # Transformers' name, which only the MoE recipe reads
+        raise ConfigError(
+            f"parallelism.fsdp_size is {p.fsdp_size} but eval_cp.py shards the weights over every rank "
+            f"(dp x cp); set it to -1"
         )
     attention = e.attention
     on_cuda = resolve_device(cfg.train.device).type == "cuda"
@@ -82,6 +91,11 @@ def check_config(cfg: Config, world_size: int) -> str:
         raise ConfigError(
             "eval.attention is 'torch_cp', which needs CUDA SDPA kernels (torch has no CP sharding "
             "rule for the CPU kernel); use auto or allgather"
+        )
+    if p.cp_comm_strategy != "allgather" and attention != "torch_cp":
+        raise ConfigError(
+            f"parallelism.cp_comm_strategy is {p.cp_comm_strategy!r} but the attention here is {attention}, "
+            f"which all-gathers K/V; remove it, or set eval.attention=torch_cp (CUDA) to use it"
         )
     if cfg.lora.r:
         raise ConfigError(
@@ -104,10 +118,39 @@ def check_config(cfg: Config, world_size: int) -> str:
             "fsdp.xla is true, which is the PyTorch/XLA recipe: run scripts/tpu_xla_fsdp.py, or set "
             "fsdp.xla=false"
         )
-    if cfg.fsdp.xla_fsdp_settings or cfg.fsdp.xla_fsdp_grad_ckpt:
+    if cfg.fsdp.xla_fsdp_settings or cfg.fsdp.xla_fsdp_grad_ckpt or not cfg.fsdp.xla_fsdp_v2:
         raise ConfigError(
-            "fsdp.xla_fsdp_settings / xla_fsdp_grad_ckpt are set but fsdp.xla is false; they apply "
-            "only to scripts/tpu_xla_fsdp.py with fsdp.xla=true"
+            "fsdp.xla_fsdp_settings / xla_fsdp_grad_ckpt / xla_fsdp_v2 differ from their defaults but "
+            "fsdp.xla is false; they apply only to scripts/tpu_xla_fsdp.py with fsdp.xla=true"
+        )
+    # A training run's config evaluates its checkpoints as it is: what only training reads is named once.
+    training = {
+        "train": [key for key in vars(cfg.train) if key != "device"],
+        "fsdp": [
+            "activation_checkpointing",
+            "ac_policy",
+            "activation_checkpointing_offload",
+            "state_dict_type",
+        ],
+        "checkpoint": ["interval", "keep_latest", "resume", "export", "async_save", "load_best_model_at_end"],
+        "metrics": ["log_every", "comm_stats", "tensorboard", "peak_flops"],
+        "eval": ["interval", "early_stopping_patience", "early_stopping_threshold"],
+        "lora": [key for key in vars(cfg.lora) if key != "r"],
+    }
+    if not cfg.data.tokenizer and os.path.exists(
+        os.path.join(cfg.model.name_or_path, "tokenizer_config.json")
+    ):
+        training["data"] = ["embedded_vocab_size"]  # the checkpoint's own tokenizer is used (main())
+    unused = [
+        f"{section}.{key}"
+        for section, keys in training.items()
+        for key in keys
+        if getattr(getattr(cfg, section), key) != getattr(getattr(defaults, section), key)
+    ]
+    if unused and os.environ.get("RANK", "0") == "0":
+        print(
+            f"config: eval_cp.py evaluates, so these training keys do nothing: {', '.join(unused)}",
+            flush=True,
         )
     return attention
 

@@ -122,7 +122,7 @@ def fixed_batch_loss(model, data, device, cp_state: cp.CpState | None, t: TrainC
 
 def check_config(cfg: Config, world_size: int) -> tuple[int, int, int]:
     """Bad sizes fail here, before any process group or memory: (dp_replicate, dp_shard, dp_size)."""
-    p = cfg.parallelism
+    p, t = cfg.parallelism, cfg.train
     for key in ("ep_size", "sp_size"):
         if getattr(p, key) != 1:
             raise ConfigError(
@@ -144,11 +144,32 @@ def check_config(cfg: Config, world_size: int) -> tuple[int, int, int]:
             "fsdp.xla is true, which is the PyTorch/XLA recipe: run scripts/tpu_xla_fsdp.py, or set "
             "fsdp.xla=false"
         )
-    if cfg.fsdp.xla_fsdp_settings or cfg.fsdp.xla_fsdp_grad_ckpt:
+    if cfg.fsdp.xla_fsdp_settings or cfg.fsdp.xla_fsdp_grad_ckpt or not cfg.fsdp.xla_fsdp_v2:
         raise ConfigError(
-            "fsdp.xla_fsdp_settings / xla_fsdp_grad_ckpt are set but fsdp.xla is false; they apply "
-            "only to scripts/tpu_xla_fsdp.py with fsdp.xla=true"
+            "fsdp.xla_fsdp_settings / xla_fsdp_grad_ckpt / xla_fsdp_v2 differ from their defaults but "
+            "fsdp.xla is false; they apply only to scripts/tpu_xla_fsdp.py with fsdp.xla=true"
         )
+    if p.fsdp_size != -1:  # Transformers' name, which the MoE recipe uses for its dense FSDP dimension
+        raise ConfigError(
+            f"parallelism.fsdp_size is {p.fsdp_size} but pretrain_fsdp.py calls the FSDP dimension "
+            f"dp_shard_size; set parallelism.dp_shard_size={p.fsdp_size} and fsdp_size=-1"
+        )
+    if p.cp_comm_strategy != "allgather":
+        raise ConfigError(
+            f"parallelism.cp_comm_strategy is {p.cp_comm_strategy!r} but training always all-gathers K/V "
+            f"over the cp group (common/cp.py); remove it (it is eval_cp.py's, with eval.attention=torch_cp)"
+        )
+    if t.router_aux_loss_coef is not None:
+        raise ConfigError(
+            f"train.router_aux_loss_coef is {t.router_aux_loss_coef} but pretrain_fsdp.py trains no router "
+            f"loss; leave it unset (MoE with its router loss: finetune_moe_ep_fsdp.py)"
+        )
+    # Evaluation during training load-balances cp shards and all-gathers K/V, whatever these two say.
+    for key in ("load_balance", "attention"):
+        if getattr(cfg.eval, key) != getattr(Config().eval, key):
+            raise ConfigError(
+                f"eval.{key} is {getattr(cfg.eval, key)!r} but only eval_cp.py reads it; remove it here"
+            )
     dp_replicate, dp_shard = resolve_dp_sizes(p, world_size)
     dp_size = world_size // (p.cp_size * p.tp_size)  # the cp and tp ranks of a data-parallel group share it
     check_batch_sizes(cfg.train, dp_size)

@@ -139,6 +139,7 @@ def write(tmp_path, name, content) -> str:
     return str(path)
 
 
+BEST_MODEL = ["data.eval_dataset=embedded", "checkpoint.load_best_model_at_end=true"]
 BAD_INPUTS = {
     "unknown_section": (["trian.steps=3"], "did you mean 'train'"),
     "unknown_key": (["train.stpes=3"], "did you mean 'steps'"),
@@ -215,9 +216,22 @@ BAD_INPUTS = {
     ),
     "best_model_without_checkpoints": (
         ["data.eval_dataset=embedded", "eval.interval=5", "checkpoint.load_best_model_at_end=true"],
-        "needs a checkpoint at every evaluation, but checkpoint.interval is 0",
+        "checkpoint.interval is 0 and eval.interval is 5; set checkpoint.interval to a multiple of 5",
+    ),
+    "best_model_with_unranked_checkpoints": (
+        [*BEST_MODEL, "eval.interval=6", "checkpoint.interval=4"],
+        "checkpoint.interval is 4 and eval.interval is 6; set checkpoint.interval to a multiple of 6 "
+        r"\(the Trainer's rule for save_steps and eval_steps\) or a divisor",
     ),
 }
+
+
+@pytest.mark.parametrize("checkpoint_interval", [5, 10, 20, 1])
+def test_the_best_model_takes_the_trainers_save_and_eval_steps(checkpoint_interval):
+    """checkpoint.interval a multiple of eval.interval, as the Trainer asks of save_steps and eval_steps,
+    or a divisor of it (a checkpoint at every evaluation)."""
+    cfg = load_config(TINY, [*BEST_MODEL, "eval.interval=5", f"checkpoint.interval={checkpoint_interval}"])
+    assert (cfg.eval.interval, cfg.checkpoint.interval) == (5, checkpoint_interval)
 
 
 @pytest.mark.parametrize("name", sorted(BAD_INPUTS))
@@ -382,3 +396,43 @@ def test_the_more_specific_source_wins_and_is_logged(tmp_path, capsys, monkeypat
     assert "fsdp.reshard_after_forward False -> True (key=value)" in capsys.readouterr().out
     parse_args(["--config", debug_llama])
     assert capsys.readouterr().out == ""
+
+
+# Public FSDP configs beside the clone (../shared/configs-in-the-wild, never copied into the project; its
+# SOURCES.md says where each comes from): Accelerate YAMLs through --accelerate-config, Transformers JSONs
+# through --fsdp-config. The four that stop do so with one line naming what is wrong.
+WILD = os.path.join(REPO, "..", "shared", "configs-in-the-wild")
+REFUSED_IN_THE_WILD = {
+    "hiyouga__LLaMA-Factory__examples_accelerate_fsdp_config@935ee0a.yaml": (
+        "fsdp.mixed_precision.param_dtype is float16, which needs loss scaling that FSDP2 does not do"
+    ),
+    "hiyouga__LLaMA-Factory__examples_accelerate_fsdp_v2_config.yaml": (
+        "'fsdp_sharding_strategy' in {path} means reshard_after_forward=True but {path} also sets "
+        "reshard_after_forward=False; give one of them"
+    ),
+    "mamhamed__memorization-and-retrieval__fsdp_config.json": "fsdp.cpu_offload is 'true'; use true or false",
+    "tatsu-lab__alpaca_farm__examples_accelerate_configs_rlhf_ppo_fsdp_llama_8gpu.yaml": (
+        "unknown key 'fsdp_backward_prefetch_policy' in {path} (valid: "
+    ),
+}
+
+
+@pytest.mark.skipif(
+    not os.path.isdir(WILD), reason=f"{WILD} is absent (it lives beside the clone, not in it)"
+)
+def test_35_configs_in_the_wild_load_or_stop_with_one_clear_line():
+    names = sorted(n for n in os.listdir(WILD) if n.endswith((".yaml", ".json")))
+    assert len(names) == 35
+    loaded, refused = [], {}
+    for name in names:
+        path = os.path.join(WILD, name)
+        source = {"fsdp_config": path} if name.endswith(".json") else {"accelerate_config": path}
+        try:
+            load_config(TINY, environ={}, **source)
+            loaded.append(name)
+        except ConfigError as error:
+            refused[name] = str(error)
+    assert len(loaded) == 31 and sorted(refused) == sorted(REFUSED_IN_THE_WILD), refused
+    for name, message in refused.items():
+        expected = REFUSED_IN_THE_WILD[name].format(path=os.path.join(WILD, name))
+        assert expected in message and "\n" not in message, message

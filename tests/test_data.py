@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from with_sample_log import sampled
 
 from common.config import DataConfig
 from common.data.batches import (
@@ -83,9 +84,9 @@ def test_each_step_uses_the_same_global_samples_whatever_the_world_size(tmp_path
                 batches = LocalBatches(
                     path, 0, 0, global_batch=8, micro_batch=2, dp_rank=rank, dp_size=dp_size
                 )
-                for b in batches.micro_batches(step * 8):
-                    seen += b.sample_indices
-                    inputs += [row.tolist() for row in b.input_ids]
+                micro_batches, held = sampled(batches, step * 8)
+                seen += held
+                inputs += [row.tolist() for b in micro_batches for row in b.input_ids]
             assert seen == list(range(step * 8, step * 8 + 8))
             assert inputs == reference.setdefault(step, inputs)
 

@@ -24,7 +24,7 @@ MOE = os.path.join(REPO, "configs", "debug_moe.json")
 SFT = os.path.join(REPO, "configs", "debug_sft.json")
 HELD_OUT = ["data.eval_dataset=embedded", "eval.max_sequences=6", "eval.batch_size=2"]
 EVALUATED = [
-    "train.steps=4",
+    "train.steps=5",  # not a multiple of eval.interval: the last step is evaluated too
     "eval.interval=2",
     "checkpoint.interval=2",
     "checkpoint.keep_latest=3",
@@ -74,20 +74,27 @@ def test_the_eval_loss_logged_in_training_is_what_eval_cp_measures(tmp_path, doc
         data.append("data.document_mask=true")
     records = pretrain(tmp_path, *EVALUATED, *data, *overrides, nproc=nproc)
     logged = evals(records)
-    assert sorted(logged) == [0, 2, 4]  # before training, every eval.interval steps, the last step
-    assert logged[4]["eval_loss"] < logged[0]["eval_loss"]
-    for step in (2, 4):
+    assert sorted(logged) == [0, 2, 4, 5]  # before training, every eval.interval steps, the last step
+    assert logged[5]["eval_loss"] < logged[0]["eval_loss"]
+    for step in (2, 5):
         measured = eval_cp(tmp_path / "checkpoints" / f"step-{step}", tmp_path / f"eval{step}", *data)
         assert measured["tokens"] == logged[step]["tokens"]  # counted once, whatever the cp size
         assert measured["eval_loss"] == pytest.approx(logged[step]["eval_loss"], abs=1e-5)
 
 
-def test_evaluating_changes_nothing_in_training(tmp_path):
-    plain = pretrain(tmp_path / "plain", "train.steps=4", "checkpoint.export=false")
-    evaluated = pretrain(
-        tmp_path / "eval", "train.steps=4", "eval.interval=1", *HELD_OUT, "checkpoint.export=false"
-    )
-    assert len(evals(evaluated)) == 5
+# A run evaluated at every step, whose held-out loss falls all the way: by less and less after step 4.
+EVERY_STEP = ["train.steps=8", "eval.interval=1", *HELD_OUT, "checkpoint.export=false"]
+
+
+@pytest.fixture(scope="module")
+def evaluated_every_step(tmp_path_factory) -> list[dict]:
+    return pretrain(tmp_path_factory.mktemp("every_step"), *EVERY_STEP)
+
+
+def test_evaluating_changes_nothing_in_training(tmp_path, evaluated_every_step):
+    plain = pretrain(tmp_path / "plain", "train.steps=8", "checkpoint.export=false")
+    evaluated = evaluated_every_step
+    assert len(evals(evaluated)) == 9
     assert losses(evaluated) == losses(plain)  # exactly
     assert [r["grad_norm"] for r in steps(evaluated)] == [r["grad_norm"] for r in steps(plain)]
 
@@ -133,24 +140,29 @@ def early_stopped(tmp_path_factory, documents):
     return run_dir, pretrain(run_dir, *RISING, f"data.dataset={documents[0]}")
 
 
-def predicted_stop(losses_by_step: dict[int, float], patience: int) -> tuple[int, int]:
-    """(the step early stopping stops at, the best step), by the Trainer's rule with threshold 0."""
+def predicted_stop(
+    losses_by_step: dict[int, float], patience: int, threshold: float = 0.0, last: int = 0
+) -> tuple[int | None, int]:
+    """(the step early stopping stops at, or None; the step with the lowest eval_loss up to there), by the
+    Trainer's rule (EarlyStoppingCallback): an evaluation improves if it is below the lowest so far by more
+    than the threshold. At the `last` step the run ends anyway."""
     best, best_step, without = None, None, 0
     for step, loss in sorted(losses_by_step.items()):
         if step == 0:
             continue
-        without = 0 if best is None or loss < best else without + 1
+        without = 0 if best is None or best - loss > threshold else without + 1
         if best is None or loss < best:
             best, best_step = loss, step
-        if without >= patience:
+        if without >= patience and step != last:
             return step, best_step
-    raise AssertionError(f"the held-out loss never stopped improving: {losses_by_step}")
+    return None, best_step
 
 
 def test_early_stopping_stops_where_patience_says_and_exports_the_best_step(tmp_path, early_stopped):
     run_dir, records = early_stopped
     logged = {step: r["eval_loss"] for step, r in evals(records).items()}
     stop_step, best_step = predicted_stop(logged, patience=3)
+    assert stop_step, f"the held-out loss never stopped improving: {logged}"
     stopped = event(records, "stopped")
     assert (stopped["step"], stopped["reason"]) == (stop_step, "early stopping")
     assert stopped["best"]["step"] == best_step and best_step < stop_step
@@ -161,6 +173,7 @@ def test_early_stopping_stops_where_patience_says_and_exports_the_best_step(tmp_
         assert json.load(f)["best"] == {
             "step": best_step,
             "eval_loss": logged[best_step],
+            "lowest_eval_loss": logged[best_step],
             "evals_without_improvement": 3,
         }
     # The export holds the best step's weights, bit for bit, and scores its eval_loss.
@@ -170,6 +183,99 @@ def test_early_stopping_stops_where_patience_says_and_exports_the_best_step(tmp_
     assert all(torch.equal(exported[name], best[f"model.{name}"]) for name in exported)
     measured = eval_cp(run_dir / "export", tmp_path / "eval", *HELD_OUT)
     assert measured["eval_loss"] == pytest.approx(logged[best_step], abs=1e-5)
+
+
+def improvements(losses_by_step: dict[int, float]) -> list[float]:
+    """By how much each evaluation after the first went below the lowest before it (step 0 is a baseline)."""
+    out, lowest = [], None
+    for step, loss in sorted(losses_by_step.items()):
+        if step == 0:
+            continue
+        if lowest is not None and loss < lowest:
+            out.append(lowest - loss)
+        lowest = loss if lowest is None else min(lowest, loss)
+    return sorted(out)
+
+
+def threshold_that_stops(losses_by_step: dict[int, float], patience: int, last: int) -> float:
+    """The smallest threshold, halfway between two of the run's improvements (no float near a boundary),
+    that stops it before its last step: the improvements below it count against the patience."""
+    found = improvements(losses_by_step)
+    for low, high in zip(found, [*found[1:], 2 * found[-1]]):
+        if predicted_stop(losses_by_step, patience, (low + high) / 2, last)[0]:
+            return (low + high) / 2
+    raise AssertionError(f"no threshold stops this run early: {losses_by_step}")
+
+
+def predicted_best(losses_by_step: dict[int, float], checkpoint_interval: int, last: int, end: int) -> int:
+    """The step load_best_model_at_end exports, by the Trainer's rule: of the steps it checkpoints at (the
+    multiples of checkpoint.interval and the last step), the last whose eval_loss was below every earlier
+    evaluation's; with none, the weights it ends with (at `end`)."""
+    lowest, best = None, None
+    for step, loss in sorted(losses_by_step.items()):
+        if step == 0 or step > end:
+            continue
+        if (lowest is None or loss < lowest) and (step % checkpoint_interval == 0 or step == last):
+            best = step
+        lowest = loss if lowest is None else min(lowest, loss)
+    return end if best is None else best
+
+
+@pytest.fixture(scope="module")
+def thresholded(tmp_path_factory, evaluated_every_step):
+    """The run evaluated at every step again, with early stopping on a threshold above its smallest
+    improvements, and the best model on checkpoints that, as the Trainer allows, come only every few
+    evaluations and miss the one with the lowest eval_loss: (run dir, records, the straight run's eval
+    losses, the threshold, checkpoint.interval)."""
+    logged = {step: r["eval_loss"] for step, r in evals(evaluated_every_step).items()}
+    threshold = threshold_that_stops(logged, patience=2, last=8)
+    lowest_step = predicted_stop(logged, patience=2, threshold=threshold, last=8)[1]
+    interval = next(n for n in range(2, 9) if lowest_step % n)  # a multiple of eval.interval, 1
+    run_dir = tmp_path_factory.mktemp("thresholded")
+    early = ["eval.early_stopping_patience=2", f"eval.early_stopping_threshold={threshold!r}"]
+    best = [
+        f"checkpoint.interval={interval}",
+        "checkpoint.keep_latest=1",
+        "checkpoint.load_best_model_at_end=true",
+    ]
+    records = pretrain(run_dir, *EVERY_STEP, *early, *best, "checkpoint.export=true")
+    return run_dir, records, logged, threshold, interval
+
+
+def test_an_improvement_within_the_threshold_counts_against_the_patience(thresholded):
+    """A run whose held-out loss falls at every step never stops early on patience alone; with
+    eval.early_stopping_threshold above its smallest improvements it stops where the Trainer's rule with
+    the threshold says, having evaluated what the straight run did up to there."""
+    _, records, logged, threshold, _ = thresholded
+    assert predicted_stop(logged, patience=2, last=8)[0] is None, logged
+    stop_step, _ = predicted_stop(logged, patience=2, threshold=threshold, last=8)
+    stopped = event(records, "stopped")
+    assert (stopped["step"], stopped["reason"]) == (stop_step, "early stopping")
+    assert {step: r["eval_loss"] for step, r in evals(records).items()} == {
+        step: loss for step, loss in logged.items() if step <= stop_step
+    }
+
+
+def test_with_fewer_checkpoints_than_evaluations_the_best_model_is_the_trainers(thresholded):
+    """checkpoint.interval a multiple of eval.interval, as the Trainer asks of save_steps and eval_steps,
+    and the lowest eval_loss off them (at the step early stopping stops at, whose checkpoint the Trainer does
+    not write): the export is the checkpoint the Trainer's load_best_model_at_end loads, bit for bit, and
+    keep_latest=1 keeps it beside the last."""
+    run_dir, records, logged, threshold, interval = thresholded
+    stop_step, lowest_step = predicted_stop(logged, patience=2, threshold=threshold, last=8)
+    best_step = predicted_best(logged, interval, last=8, end=stop_step)
+    assert lowest_step % interval and best_step != lowest_step  # the case a simpler rule gets wrong
+    best = event(records, "stopped")["best"]
+    assert (best["step"], best["eval_loss"], best["lowest_eval_loss"]) == (
+        best_step,
+        logged[best_step],
+        logged[lowest_step],
+    )
+    assert sorted(os.listdir(run_dir / "checkpoints")) == sorted({f"step-{best_step}", f"step-{stop_step}"})
+    exported = load_file(run_dir / "export" / "model.safetensors")
+    weights = {f"model.{name}": torch.empty_like(tensor) for name, tensor in exported.items()}
+    dcp.load(weights, checkpoint_id=str(run_dir / "checkpoints" / f"step-{best_step}"))
+    assert all(torch.equal(exported[name], weights[f"model.{name}"]) for name in exported)
 
 
 def test_early_stopping_killed_mid_patience_stops_at_the_same_step_with_the_same_export(

@@ -130,13 +130,73 @@ def test_every_common_fsdp1_key_becomes_its_fsdp2_key_or_is_dropped(tmp_path, so
 
 
 def test_keys_that_cannot_be_translated_are_one_error_and_version_1_stays_one():
-    with pytest.raises(Exception, match="which FSDP2 cannot leave out of sharding here"):
+    with pytest.raises(Exception, match="FSDP2 would leave unsharded with gradients no rank reduces"):
         load_config(TINY, ['fsdp.ignored_modules=["lm_head"]'])
     with pytest.raises(Exception, match="fsdp.version is 1; FSDP1 is not supported"):
         load_config(TINY, ["fsdp.version=1"])
     translation = Translation()
     load_config(TINY, ["fsdp.ignored_modules=[]"], translation=translation)  # empty: nothing to ignore
     assert translation.line() == "config: dropped (no FSDP2 meaning): ignored_modules"
+
+
+def test_what_runs_differently_from_accelerate_is_said_in_the_one_line(tmp_path):
+    """NO_SHARD keeps the parameters sharded (FSDP1 replicated them); Accelerate's bf16 reduces in bf16."""
+    _, line = translated("yaml", "NO_SHARD", tmp_path)
+    assert "not as Accelerate runs it: NO_SHARD -> parameters stay sharded" in line
+    assert line.endswith("dropped (no FSDP2 meaning): backward_prefetch, use_orig_params")
+    doc = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2}, "mixed_precision": "bf16"}
+    (tmp_path / "bf16.yaml").write_text(yaml.safe_dump(doc | {"num_processes": 2, "use_cpu": True}))
+    for kwargs in (
+        {"accelerate_config": str(tmp_path / "bf16.yaml")},
+        {"environ": accelerate_launch_environment(str(tmp_path / "bf16.yaml"))},
+    ):
+        translation = Translation()
+        cfg = load_config(TINY, translation=translation, **kwargs)
+        assert cfg.fsdp.mixed_precision == "bf16"
+        assert translation.line() == (
+            "config: not as Accelerate runs it: mixed_precision=bf16 -> gradients reduced in float32 "
+            '(Accelerate reduces them in bf16; fsdp.mixed_precision={"param_dtype": "bfloat16", '
+            '"reduce_dtype": "bfloat16"} does that)'
+        )
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("source", ["yaml", "launch environment", "fsdp_config json", "key=value"])
+def test_activation_checkpointing_offload_is_read_from_every_source(tmp_path, source, version):
+    """Accelerate's key (FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD under accelerate launch), FSDP1 or FSDP2."""
+    fsdp = {"fsdp_version": version, "fsdp_activation_checkpointing": True}
+    fsdp["fsdp_activation_checkpointing_offload"] = True
+    environ, kwargs, overrides = {}, {}, []
+    if source in ("yaml", "launch environment"):
+        doc = {"distributed_type": "FSDP", "fsdp_config": fsdp, "num_processes": 2, "use_cpu": True}
+        (tmp_path / "acc.yaml").write_text(yaml.safe_dump(doc))
+        if source == "yaml":
+            kwargs["accelerate_config"] = str(tmp_path / "acc.yaml")
+        else:
+            environ = accelerate_launch_environment(str(tmp_path / "acc.yaml"))
+            assert environ["FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD"] == "true"
+    elif source == "fsdp_config json":
+        (tmp_path / "fsdp.json").write_text(json.dumps(fsdp))
+        kwargs["fsdp_config"] = str(tmp_path / "fsdp.json")
+    else:
+        overrides = ["fsdp.activation_checkpointing=true", "fsdp.activation_checkpointing_offload=true"]
+    f = load_config(TINY, overrides, environ=environ, **kwargs).fsdp
+    assert f.activation_checkpointing and f.activation_checkpointing_offload
+    with pytest.raises(
+        Exception, match="activation_checkpointing_offload is true but nothing is checkpointed"
+    ):
+        load_config(TINY, ["fsdp.activation_checkpointing_offload=true"])  # Accelerate refuses it too
+
+
+def test_ignored_modules_under_an_fsdp2_accelerate_launch_are_one_error(tmp_path):
+    """FSDP_IGNORED_MODULES (FSDP_VERSION=2) is read, and refused as in an FSDP1 config."""
+    fsdp = {"fsdp_version": 2, "fsdp_ignored_modules": "model.layers.0"}
+    doc = {"distributed_type": "FSDP", "fsdp_config": fsdp, "num_processes": 2, "use_cpu": True}
+    (tmp_path / "acc.yaml").write_text(yaml.safe_dump(doc))
+    environ = accelerate_launch_environment(str(tmp_path / "acc.yaml"))
+    assert environ["FSDP_VERSION"] == "2" and environ["FSDP_IGNORED_MODULES"] == "model.layers.0"
+    with pytest.raises(Exception, match="'ignored_modules' in the accelerate launch environment is 'model"):
+        load_config(TINY, environ=environ)
 
 
 @pytest.mark.compat

@@ -114,3 +114,57 @@ def test_per_layer_compile_matches_eager(tmp_path):
     compiled_sac = pretrain(tmp_path / "compiled_sac", *STEP, *selective, nproc=0, timeout=600)
     assert event(compiled_sac, "model_ready")["compiled_layers"] == 2
     assert losses(compiled_sac) == pytest.approx(losses(eager), abs=1e-5)
+
+
+def test_activation_checkpointing_offload_moves_each_checkpointed_layers_input_to_host_memory(monkeypatch):
+    """fsdp.activation_checkpointing_offload, as Accelerate applies it: torch's offload_wrapper puts
+    save_on_cpu around each checkpoint. On a CPU host and device memory are the same, so no peak can drop
+    here; what can be counted is where the tensors the checkpoints keep for backward go. Without offload they
+    stay on the device (counted by a saved-tensors hook around the forward); with it, exactly the layers'
+    inputs leave for host memory (counted inside save_on_cpu), and the loss and every gradient stay
+    bit-identical."""
+    import copy
+
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as ac
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from common.wrap import checkpoint_layers
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    reference, input_ids = LlamaForCausalLM(config), torch.randint(0, 256, (2, 32))
+    to_host = []
+
+    class CountingSaveOnCpu(ac.save_on_cpu):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pack = self.pack_hook
+            self.pack_hook = lambda t: (to_host.append(t.numel() * t.element_size()), pack(t))[1]
+
+    monkeypatch.setattr(ac, "save_on_cpu", CountingSaveOnCpu)
+
+    def train(offload: bool) -> tuple[float, int, list]:
+        model, kept = copy.deepcopy(reference), []
+        checkpoint_layers(model, {"LlamaDecoderLayer"}, "full", offload)
+        assert sum(isinstance(m, ac.OffloadWrapper) for m in model.modules()) == (4 if offload else 0)
+        keep = lambda t: (kept.append(t.numel() * t.element_size()), t)[1]  # noqa: E731
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        return loss.item(), sum(kept), [p.grad for p in model.parameters()]
+
+    loss, on_device, grads = train(offload=False)
+    assert not to_host
+    offloaded_loss, offloaded_on_device, offloaded_grads = train(offload=True)
+    layer_inputs = 4 * input_ids.numel() * config.hidden_size * 4  # 4 layers' [2, 32, 64] fp32 hidden states
+    assert sum(to_host) == layer_inputs  # 65,536 bytes
+    assert on_device - offloaded_on_device == layer_inputs
+    assert offloaded_loss == loss
+    assert all(torch.equal(a, b) for a, b in zip(offloaded_grads, grads))

@@ -43,6 +43,63 @@ def test_no_test_hooks_and_no_script_names_in_product_code():
             assert not names.search(text), (path, names.search(text)[0])
 
 
+def python_files(*folders: str) -> list[str]:
+    out = []
+    for folder in folders:
+        for root, _, files in os.walk(os.path.join(REPO, folder)):
+            out += [os.path.relpath(os.path.join(root, f), REPO) for f in files if f.endswith(".py")]
+    return sorted(out)
+
+
+def public_definitions(tree: ast.Module) -> list[tuple[str, int]]:
+    """(name, line) of each public function, class, method and dataclass field a module defines."""
+    found = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            found.append((node.name, node.lineno))
+        if isinstance(node, ast.ClassDef):
+            dataclass = any("dataclass" in ast.unparse(d) for d in node.decorator_list)
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef):
+                    found.append((item.name, item.lineno))
+                elif dataclass and isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    found.append((item.target.id, item.lineno))
+    return [(name, line) for name, line in found if not name.startswith("_")]
+
+
+def names_read(tree: ast.Module) -> set[str]:
+    """Every name the code reads (a variable, an attribute, an import), not ones it only assigns: a field
+    that is filled but never read is not used."""
+    read = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            read.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            read.add(node.attr)
+        elif isinstance(node, ast.alias):
+            read.add(node.name.split(".")[-1])
+    return read
+
+
+def test_every_public_name_of_common_and_scripts_is_used_by_common_scripts_or_benchmarks():
+    """What only tests use belongs in tests/, as a wrapper or a helper there (tests/with_sample_log.py logs
+    the samples each rank reads; no field of Batch does): every public function, class, method and dataclass
+    field that common/ or scripts/ defines is read somewhere in common/, scripts/ or benchmarks/."""
+    trees = {}
+    for path in python_files("common", "scripts", "benchmarks"):
+        with open(os.path.join(REPO, path)) as f:
+            trees[path] = ast.parse(f.read())
+    read = set().union(*(names_read(tree) for tree in trees.values()))
+    unused = [
+        f"{path}:{line} {name}"
+        for path, tree in trees.items()
+        if not path.startswith("benchmarks/")
+        for name, line in public_definitions(tree)
+        if name not in read
+    ]
+    assert not unused, f"defined in common/ or scripts/ but read only by tests (or nothing): {unused}"
+
+
 IMPORT_ALL = """
 import importlib, sys
 sys.path.insert(0, {repo!r})

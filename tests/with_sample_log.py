@@ -3,7 +3,8 @@
     SAMPLE_LOG=runs/x/samples torchrun --nproc_per_node=2 tests/with_sample_log.py scripts/pretrain_fsdp.py
 
 Each rank appends one JSON line per optimizer step to $SAMPLE_LOG.rank<R>.jsonl: the step's first global
-sample and the samples this rank's micro-batches hold. Never imported by scripts/ or common/.
+sample and the samples this rank's micro-batches hold, as the sampler read them. Never imported by scripts/
+or common/.
 """
 
 from __future__ import annotations
@@ -18,9 +19,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data.batches import LocalBatches  # noqa: E402
 
 
-def micro_batches(self, first_sample: int, _original=LocalBatches.micro_batches) -> list:
-    batches = _original(self, first_sample)
-    held = [i for batch in batches for i in batch.sample_indices]
+def sampled(
+    batches: LocalBatches, first_sample: int, _original=LocalBatches.micro_batches
+) -> tuple[list, list]:
+    """(batches.micro_batches(first_sample), the global samples they hold): the positions the sampler read
+    its rows at, watched rather than recomputed, so a sampler that reads the wrong rows shows here."""
+    held, read_row = [], batches._row
+    batches._row = lambda position: held.append(position) or read_row(position)
+    try:
+        return _original(batches, first_sample), held
+    finally:
+        del batches._row
+
+
+def micro_batches(self, first_sample: int) -> list:
+    batches, held = sampled(self, first_sample)
     with open(f"{os.environ['SAMPLE_LOG']}.rank{os.environ.get('RANK', '0')}.jsonl", "a") as f:
         f.write(json.dumps({"first_sample": first_sample, "samples": held}) + "\n")
     return batches

@@ -168,7 +168,6 @@ def prepare_local_data(cfg: DataConfig, is_main: bool, build=None, tag: str = ""
 class Batch:
     input_ids: torch.Tensor  # [micro_batch, seq_len]
     labels: torch.Tensor  # [micro_batch, seq_len], -100 where no loss is taken
-    sample_indices: list[int]  # the global samples this batch holds
     position_ids: torch.Tensor | None = None  # restart at 0 per packed example (SFT) or document
     token_mask: torch.Tensor | None = None  # SFT: True for real tokens, False for padding
 
@@ -182,14 +181,14 @@ def document_positions(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
     return index - torch.where(starts, index, 0).cummax(dim=1).values
 
 
-def to_batch(rows: np.ndarray, positions: list[int], pad_id: int, document_eos: int | None) -> Batch:
+def to_batch(rows: np.ndarray, pad_id: int, document_eos: int | None) -> Batch:
     """[N, seq_len + 1] rows as a Batch: inputs and labels shifted by one, PAD out of both."""
     rows = torch.from_numpy(rows.astype(np.int64))
     inputs, labels = rows[:, :-1].clone(), rows[:, 1:].clone()
     inputs[inputs == PAD] = pad_id
     labels[labels == PAD] = -100
     documents = None if document_eos is None else document_positions(inputs, document_eos)
-    return Batch(inputs, labels, positions, position_ids=documents)
+    return Batch(inputs, labels, position_ids=documents)
 
 
 @dataclass(eq=False)
@@ -221,8 +220,7 @@ class LocalBatches:
         start = first_sample + self.dp_rank * per_rank
         out = []
         for m in range(start, start + per_rank, self.micro_batch):
-            positions = list(range(m, m + self.micro_batch))
-            out.append(self._batch(np.stack([self._row(p) for p in positions]), positions))
+            out.append(self._batch(np.stack([self._row(p) for p in range(m, m + self.micro_batch)])))
         return out
 
     def state_dict(self) -> dict:
@@ -233,10 +231,10 @@ class LocalBatches:
 
     def fixed_batch(self, size: int) -> Batch:
         """The first rows, unshuffled: a batch anyone can rebuild to check a model."""
-        return self._batch(np.asarray(self.rows[:size]), [])
+        return self._batch(np.asarray(self.rows[:size]))
 
-    def _batch(self, rows: np.ndarray, positions: list[int]) -> Batch:
-        return to_batch(rows, positions, self.pad_id, self.document_eos)
+    def _batch(self, rows: np.ndarray) -> Batch:
+        return to_batch(rows, self.pad_id, self.document_eos)
 
 
 class StreamingBatches:
@@ -266,7 +264,6 @@ class StreamingBatches:
         self.micro_batch, self.dp_rank, self.dp_size = micro_batch, dp_rank, dp_size
         self.document_eos = tokenizer.eos_token_id if cfg.document_mask else None
         self.buffer: list[int] = []
-        self.consumed = 0
 
     def _next_text(self) -> str:
         try:
@@ -285,7 +282,7 @@ class StreamingBatches:
 
     def state_dict(self) -> dict:
         dataset = self.dataset.state_dict()
-        return {"dataset": dataset, "buffer": self.buffer, "consumed": self.consumed, "dp_rank": self.dp_rank}
+        return {"dataset": dataset, "buffer": self.buffer, "dp_rank": self.dp_rank}
 
     def load_state_dict(self, states: list[dict]) -> None:
         """`states`: every rank's state_dict(). The ranks of a context-parallel group read one stream and
@@ -299,15 +296,13 @@ class StreamingBatches:
         mine = streams[self.dp_rank]
         self.dataset.load_state_dict(mine["dataset"])
         self.stream = iter(self.dataset)
-        self.buffer, self.consumed = mine["buffer"], mine["consumed"]
+        self.buffer = mine["buffer"]
 
     def micro_batches(self, first_sample: int) -> list[Batch]:
         out = []
         for _ in range(self.accum):
             rows = np.array([self._next_row() for _ in range(self.micro_batch)])
-            positions = list(range(self.consumed, self.consumed + self.micro_batch))
-            self.consumed += self.micro_batch
-            out.append(to_batch(rows, positions, PAD, self.document_eos))  # streamed rows hold no PAD
+            out.append(to_batch(rows, PAD, self.document_eos))  # streamed rows hold no PAD
         return out
 
 

@@ -32,7 +32,7 @@ def held_out_rows(cfg: DataConfig, e: EvalConfig, tokenizer, is_main: bool) -> B
     split = cfg.eval_split if cfg.eval_dataset else cfg.split
     if is_sft(source, cfg.text_field, split):
         rows = np.load(sft_rows_path(cfg, tokenizer, source, split, is_main, key), mmap_mode="r")
-        return sft_batch(np.asarray(rows[: e.max_sequences]), [])
+        return sft_batch(np.asarray(rows[: e.max_sequences]))
     if cfg.eval_dataset:
         files = local_files(source) if source != "embedded" else None
         tag = f"held-out-{source}-{split}-{file_fingerprint(files) if files else ''}"
@@ -41,7 +41,7 @@ def held_out_rows(cfg: DataConfig, e: EvalConfig, tokenizer, is_main: bool) -> B
     else:  # the training cache of data.dataset: what checkpoints were scored on before data.eval_dataset
         path = prepare_local_data(cfg, is_main)
     rows = np.asarray(np.load(path, mmap_mode="r")[: e.max_sequences])
-    return to_batch(rows, [], pad_token_id(tokenizer), tokenizer.eos_token_id if cfg.document_mask else None)
+    return to_batch(rows, pad_token_id(tokenizer), tokenizer.eos_token_id if cfg.document_mask else None)
 
 
 def _documents(cfg: DataConfig, source, split: str, files: list[str] | None) -> list[str]:
@@ -78,9 +78,7 @@ def rank_batches(rows: Batch, batch_size: int, dp_rank: int, dp_size: int) -> li
         labels = rows.labels[taken].clone()
         labels[[j for j, i in enumerate(index) if i >= len(rows.labels)]] = -100
         pick = lambda t: None if t is None else t[taken]  # noqa: E731
-        batches.append(
-            Batch(rows.input_ids[taken], labels, [], pick(rows.position_ids), pick(rows.token_mask))
-        )
+        batches.append(Batch(rows.input_ids[taken], labels, pick(rows.position_ids), pick(rows.token_mask)))
     return batches
 
 

@@ -177,17 +177,17 @@ def sft_rows_path(
     return prepare_local_data(cfg, is_main, build, tag=tag)
 
 
-def sft_batch(rows: np.ndarray, positions: list[int]) -> Batch:
+def sft_batch(rows: np.ndarray) -> Batch:
     """Rows of build_rows as a Batch: input ids, labels, restarting position ids, the real-token mask."""
     rows = torch.from_numpy(np.asarray(rows).astype(np.int64))
-    return Batch(rows[:, 0], rows[:, 1], positions, position_ids=rows[:, 2], token_mask=rows[:, 3].bool())
+    return Batch(rows[:, 0], rows[:, 1], position_ids=rows[:, 2], token_mask=rows[:, 3].bool())
 
 
 class SftBatches(LocalBatches):
     """Pretraining's sampler over SFT rows."""
 
-    def _batch(self, rows: np.ndarray, positions: list[int]) -> Batch:
-        return sft_batch(rows, positions)
+    def _batch(self, rows: np.ndarray) -> Batch:
+        return sft_batch(rows)
 
 
 def build_sft_batches(

@@ -18,9 +18,10 @@ FSDP_KEY_ALIASES = {
     "offload_params": "cpu_offload",
     "transformer_cls_to_wrap": "transformer_layer_cls_to_wrap",
 }
-# The FSDP_<KEY> variables of `accelerate launch` that mean something for FSDP2.
+# The FSDP_<KEY> variables of `accelerate launch` that mean something for FSDP2 (ignored_modules: an error).
 LAUNCH_ENV_KEYS = """version reshard_after_forward offload_params auto_wrap_policy transformer_cls_to_wrap
-    state_dict_type cpu_ram_efficient_loading activation_checkpointing""".split()
+    state_dict_type cpu_ram_efficient_loading activation_checkpointing activation_checkpointing_offload
+    ignored_modules""".split()
 LAUNCH_ENV = "the accelerate launch environment"
 # Accelerate's parallelism_config keys; the ignored ones are meaningless here at these values only.
 PARALLELISM_KEYS = "dp_replicate_size dp_shard_size tp_size cp_size sp_size cp_comm_strategy".split()
@@ -29,8 +30,7 @@ STATE_DICT_TYPES = {"FULL": "FULL_STATE_DICT", "SHARDED": "SHARDED_STATE_DICT"} 
 
 
 def did_you_mean(key: str, choices, list_valid: bool = True) -> str:
-    close = difflib.get_close_matches(key, list(choices), n=1)
-    if close:
+    if close := difflib.get_close_matches(key, list(choices), n=1):
         return f" (did you mean '{close[0]}'?)"
     return f" (valid: {', '.join(sorted(choices))})" if list_valid else ""
 
@@ -184,6 +184,8 @@ def normalize_fsdp_keys(
             continue
         if key not in known:
             raise ConfigError(f"unknown key '{raw_key}' in {source}{did_you_mean(key, known)}")
+        if external and key == "mixed_precision":  # Accelerate's (Transformers takes its bf16 from it)
+            translation.accelerate_mixed_precision(value)
         if out.get(key, value) != value:
             raise ConfigError(
                 f"'{raw_key}' in {source} is {value!r} but its FSDP1 keys mean {out[key]!r}; give one"
@@ -197,10 +199,8 @@ def _accelerate_fsdp(doc: dict, path: str, translation: Translation) -> dict:
         raise ConfigError(
             f"--accelerate-config {path}: distributed_type is {doc['distributed_type']!r}; set it to FSDP"
         )
-    values = dict(doc.get("fsdp_config") or {})
-    if "mixed_precision" in doc:
-        values["mixed_precision"] = doc["mixed_precision"]
-    return normalize_fsdp_keys(values, path, translation)
+    mixed_precision = {"mixed_precision": doc["mixed_precision"]} if "mixed_precision" in doc else {}
+    return normalize_fsdp_keys({**(doc.get("fsdp_config") or {}), **mixed_precision}, path, translation)
 
 
 def accelerate_parallelism(values: dict, source: str) -> dict:
@@ -223,13 +223,12 @@ def accelerate_parallelism(values: dict, source: str) -> dict:
     return out
 
 
-def accelerate_launch_env(environ: dict, translation: Translation | None = None) -> dict:
+def accelerate_launch_env(environ: dict, translation: Translation) -> dict:
     if environ.get("ACCELERATE_USE_FSDP", "").lower() != "true":
         return {}
     fsdp1 = environ.get("FSDP_VERSION", "1") != "2"
     keys = LAUNCH_ENV_KEYS + FSDP1_LAUNCH_KEYS if fsdp1 else LAUNCH_ENV_KEYS
-    names = {f"FSDP_{key.upper()}": key for key in keys}
-    names["ACCELERATE_MIXED_PRECISION"] = "mixed_precision"
+    names = {f"FSDP_{key.upper()}": key for key in keys} | {"ACCELERATE_MIXED_PRECISION": "mixed_precision"}
     values = {key: parse_scalar(environ[name]) for name, key in names.items() if name in environ}
     out = normalize_fsdp_keys(fsdp1_launch_values(values) if fsdp1 else values, LAUNCH_ENV, translation)
     # FSDP_MIN_NUM_PARAMS is always exported (default 1e8), but means something only for SIZE_BASED_WRAP.
@@ -304,12 +303,8 @@ def load_config(
     run_fsdp = normalize_fsdp_keys(run_fsdp, f"{path} (fsdp)", translation, external=False)
     fsdp_sources, parallelism_sources = [], []
     if fsdp_config:
-        fsdp_sources.append(
-            (
-                fsdp_config,
-                normalize_fsdp_keys(_read_json(fsdp_config, "--fsdp-config"), fsdp_config, translation),
-            )
-        )
+        from_file = normalize_fsdp_keys(_read_json(fsdp_config, "--fsdp-config"), fsdp_config, translation)
+        fsdp_sources.append((fsdp_config, from_file))
     if accelerate_config:
         if not os.path.exists(accelerate_config):
             raise ConfigError(
@@ -320,8 +315,7 @@ def load_config(
         with open(accelerate_config) as f:
             doc = yaml.safe_load(f) or {}
         fsdp_sources.append((accelerate_config, _accelerate_fsdp(doc, accelerate_config, translation)))
-    launch_env = accelerate_launch_env(environ, translation)
-    if launch_env:
+    if launch_env := accelerate_launch_env(environ, translation):
         fsdp_sources.append((LAUNCH_ENV, launch_env))
     fill(cfg.fsdp, _layer_sources(run_fsdp, fsdp_sources, "fsdp", changes), "fsdp.")
     if accelerate_config:
@@ -332,13 +326,25 @@ def load_config(
     if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() == "true":
         exported = {k: v for k, v in environ.items() if k.startswith("PARALLELISM_CONFIG_")}
         parallelism_sources.append((LAUNCH_ENV, accelerate_parallelism(exported, LAUNCH_ENV)))
-    run_parallelism = _layer_sources(
-        values.get("parallelism", {}), parallelism_sources, "parallelism", changes
-    )
-    fill(cfg.parallelism, run_parallelism, "parallelism.")
+    parallelism = _layer_sources(values.get("parallelism", {}), parallelism_sources, "parallelism", changes)
+    fill(cfg.parallelism, parallelism, "parallelism.")
     for item in overrides:
         apply_override(cfg, item, changes, translation)
     cfg.fsdp.state_dict_type = state_dict_type(cfg.fsdp.state_dict_type)
     check_types(cfg)
     validate(cfg)
+    check_companions(cfg)
     return cfg
+
+
+def check_companions(cfg: Config) -> None:  # keys that act only with another, in every script
+    if cfg.fsdp.activation_checkpointing_offload and not cfg.fsdp.activation_checkpointing:  # as Accelerate
+        raise ConfigError(
+            "fsdp.activation_checkpointing_offload is true but nothing is checkpointed to offload; set "
+            "fsdp.activation_checkpointing=true"
+        )
+    if cfg.parallelism.cp_comm_strategy != "allgather" and cfg.parallelism.cp_size == 1:  # torch_cp's ring
+        raise ConfigError(
+            f"parallelism.cp_comm_strategy is {cfg.parallelism.cp_comm_strategy!r} but parallelism.cp_size "
+            f"is 1, so no K/V shards travel; remove it"
+        )

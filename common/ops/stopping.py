@@ -51,31 +51,46 @@ class StopRules:
         and the patience spent so far."""
         self.stop_after, self.last_step = cfg.train.stop_after, cfg.train.steps
         self.patience, self.threshold = cfg.eval.early_stopping_patience, cfg.eval.early_stopping_threshold
+        self.checkpoint_interval = cfg.checkpoint.interval
         self.start_step, self.device = start_step, device
         self.preemption = PreemptionWatch()
         self.step = start_step + 1  # the step being trained
         saved = (resumed or {}).get("best", {})
         self.best_step, self.best_eval_loss = saved.get("step"), saved.get("eval_loss")
+        self.lowest_eval_loss = saved.get("lowest_eval_loss", self.best_eval_loss)
         self.evals_without_improvement = saved.get("evals_without_improvement", 0)
 
     def state_dict(self) -> dict:
-        """For train_state.json: the best step (which keep_latest never prunes) and the patience spent."""
-        best = dict(step=self.best_step, eval_loss=self.best_eval_loss)
+        """For train_state.json: the best step (which keep_latest never prunes), the lowest eval_loss of
+        any evaluation and the patience spent."""
+        best = dict(
+            step=self.best_step, eval_loss=self.best_eval_loss, lowest_eval_loss=self.lowest_eval_loss
+        )
         return {"best": {**best, "evals_without_improvement": self.evals_without_improvement}}
 
     def after_eval(self, step: int, eval_loss: float) -> str | None:
         """Track the best step; "early stopping" once eval.early_stopping_patience evaluations in a row
-        fell by no more than eval.early_stopping_threshold. The evaluation before training (step 0) is a
-        baseline: it counts for neither, as in the Trainer."""
+        fell by no more than eval.early_stopping_threshold from the lowest eval_loss. The evaluation before
+        training (step 0) is a baseline: it counts for neither, as in the Trainer.
+
+        The best step is the Trainer's best_model_checkpoint: a step it saves at (a multiple of
+        checkpoint.interval, or the last) whose eval_loss is below every earlier evaluation's. An evaluation
+        between checkpoints can be the lowest and has no checkpoint, so it moves the best step nowhere, and
+        later checkpoints must beat it. With no such step, the Trainer keeps the weights it ends with, which
+        are the checkpoint of the step the run ends at."""
         if step == 0:
             return None
-        improved = self.best_eval_loss is None or self.best_eval_loss - eval_loss > self.threshold
+        improved = self.lowest_eval_loss is None or self.lowest_eval_loss - eval_loss > self.threshold
         self.evals_without_improvement = 0 if improved else self.evals_without_improvement + 1
-        if self.best_eval_loss is None or eval_loss < self.best_eval_loss:
+        lowest = self.lowest_eval_loss is None or eval_loss < self.lowest_eval_loss
+        self.lowest_eval_loss = eval_loss if lowest else self.lowest_eval_loss
+        saved = step == self.last_step or (self.checkpoint_interval and step % self.checkpoint_interval == 0)
+        if lowest and saved:
             self.best_step, self.best_eval_loss = step, eval_loss
-        if self.patience and self.evals_without_improvement >= self.patience and step < self.last_step:
-            return "early stopping"
-        return None
+        stopping = self.patience and self.evals_without_improvement >= self.patience and step < self.last_step
+        if self.best_step is None and (stopping or step == self.last_step):
+            self.best_step, self.best_eval_loss = step, eval_loss  # the run's own last weights
+        return "early stopping" if stopping else None
 
     def after_step(self, step: int, loss: float) -> str | None:
         """None to go on, or why the run stops after this step, short of the last one: "preempted" or

@@ -1,0 +1,937 @@
+"""Every key acts or errors (docs/config.md: nothing is silently ignored). For each script and each key of
+every config section, at a value other than its default, the table below says what happens, and the test
+checks it:
+
+- `Refused`: one line (a ConfigError naming the key) before any process group exists;
+- `Acts`: a run differs from the same run at the default in what it writes (a metric, a file, a count) or in
+  the model it builds; `context` names the keys it acts with (lora.alpha with lora.r > 0);
+- `Named`: eval_cp.py evaluates a training run's config as it is, so a key only training reads is named in
+  its one "do nothing" line;
+- `ProvenBy`: a test elsewhere shows the effect with what one process here cannot do (several ranks, a
+  killed rank, torch.compile, the XLA environment); it must exist, and its file must set the key;
+- `ReadBy`: the script hands the key to code that reads it, where its run needs torch_xla, or the same
+  function's effect is shown for pretrain_fsdp.py (the MoE recipe's optimizer and schedule keys);
+- `Gap`: not honoured yet where this change could not reach (the MoE and XLA scripts' checks, the data
+  modules, the hub); an expected failure, which fails once the key is refused, so the table follows.
+
+A key added without an entry fails `test_the_table_covers_every_key_of_every_section`. Each run is a recipe's
+own main() on one process; all of them run in one subprocess (python tests/test_every_key.py PLAN OUT), so
+one import of torch and Transformers serves them all: about three minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import glob
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common.config import Config  # noqa: E402
+from launch import REPO, TINY, env, write_short_documents  # noqa: E402
+
+MOE = os.path.join(REPO, "configs", "debug_moe.json")
+EVAL = os.path.join(REPO, "configs", "debug_eval_cp.json")
+TPU = os.path.join(REPO, "configs", "debug_tpu.json")
+# Each script's base run: small, one process, with an export (eval_cp.py evaluates pretrain's).
+BASE = {
+    "pretrain_fsdp": [TINY, "train.steps=2"],
+    "finetune_moe_ep_fsdp": [MOE, "train.steps=2", "eval.interval=2", "eval.max_sequences=8"],
+    "eval_cp": [EVAL, "model.name_or_path={pretrain_export}", "parallelism.cp_size=1", "data.seq_len=64"],
+    "tpu_xla_fsdp": [TPU],
+}
+BASE["eval_cp"] += ["eval.max_sequences=4", "eval.loss_chunk_tokens=32"]
+
+
+@dataclass(frozen=True)
+class Refused:
+    value: str  # or several key=value words
+    context: tuple = ()
+
+
+@dataclass(frozen=True)
+class Acts:
+    value: str | tuple
+    probe: Callable[[dict, dict], bool]  # (the run at the default, the run with the value) -> it differs
+    context: tuple = ()
+
+
+@dataclass(frozen=True)
+class Named:
+    value: str | tuple
+
+
+@dataclass(frozen=True)
+class ProvenBy:
+    test: str  # tests/test_x.py::test_name
+
+
+@dataclass(frozen=True)
+class ReadBy:
+    """What a run here cannot show (the XLA recipe needs torch_xla; the MoE recipe's schedule and optimizer
+    keys go through pretrain's functions, shown there): the script calls `function`, whose module (or one of
+    common/ that it imports) reads the key."""
+
+    function: str  # main, a function of the script, or one of common/ that it calls
+
+
+@dataclass(frozen=True)
+class Gap:
+    value: str
+    why: str
+
+
+# What a run wrote, for the probes.
+def steps(r: dict) -> list[dict]:
+    return [x for x in r["records"] if "step" in x and "event" not in x]
+
+
+def losses(r: dict) -> list[float]:
+    return [x["loss"] for x in steps(r)]
+
+
+def event(r: dict, name: str) -> dict:
+    return next((x for x in r["records"] if x.get("event") == name), {})
+
+
+def events(r: dict, name: str) -> list[dict]:
+    return [x for x in r["records"] if x.get("event") == name]
+
+
+def column(name: str) -> Callable[[dict], list]:
+    return lambda r: [x.get(name) for x in steps(r)]
+
+
+def differs(read: Callable[[dict], object]) -> Callable[[dict, dict], bool]:
+    """The probe: what `read` takes from a run differs between the two runs (and the run succeeded)."""
+    return lambda base, run: not run["error"] and read(base) != read(run)
+
+
+def ready(field: str) -> Callable[[dict], object]:
+    return lambda r: event(r, "model_ready").get(field)
+
+
+def layout(field: str) -> Callable[[dict], object]:
+    return lambda r: r["layout"].get(field)
+
+
+def files(r: dict) -> list[str]:
+    return r["files"]
+
+
+def fails(base: dict, run: dict) -> bool:  # the default fails where the value runs (data.text_field)
+    return bool(base["error"]) and not run["error"]
+
+
+def result(field: str) -> Callable[[dict], object]:
+    return lambda r: (r["results"] or {}).get(field)
+
+
+LOSSES, TOKENS, LR = differs(losses), differs(column("tokens")), differs(column("lr"))
+EVAL_RUNS = ("data.eval_dataset=embedded", "eval.interval=1", "eval.max_sequences=4")
+LORA = ("lora.r=4",)
+AC = ("fsdp.activation_checkpointing=true",)
+SIZE_BASED = ("fsdp.auto_wrap_policy=SIZE_BASED_WRAP",)
+
+# Keys whose effect needs what one process here cannot give; the tests that show it.
+MULTI_RANK = {
+    "parallelism.dp_replicate_size": ProvenBy(
+        "tests/test_tp.py::test_tensor_parallel_layouts_equal_one_process"
+    ),
+    "parallelism.dp_shard_size": ProvenBy("tests/test_tp.py::test_tensor_parallel_layouts_equal_one_process"),
+    "parallelism.tp_size": ProvenBy("tests/test_tp.py::test_tensor_parallel_layouts_equal_one_process"),
+    "parallelism.timeout_minutes": ProvenBy(
+        "tests/test_checkpoint.py::test_a_hung_rank_ends_the_job_within_the_collective_timeout"
+    ),
+}
+
+
+PRETRAIN = {
+    "model.name_or_path": Acts(("{pretrain_export}", "model.config={}"), differs(lambda r: losses(r)[:1])),
+    "model.config": Acts("model.config.num_hidden_layers=1", differs(ready("params"))),
+    "model.attn_implementation": Acts("eager", differs(layout("attn"))),
+    "model.trust_remote_code": Gap("true", "acts only on a checkpoint that ships its own code; none here"),
+    "data.dataset": Acts("{documents}", LOSSES),
+    "data.eval_dataset": Acts("embedded", differs(lambda r: len(events(r, "eval"))), EVAL_RUNS[1:]),
+    "data.eval_split": Gap("test", "a hub dataset's split; with local or built-in data it is ignored"),
+    "data.dataset_config": Gap(
+        "default", "a hub dataset's config; with local or built-in data it is ignored"
+    ),
+    "data.split": Gap("test", "a hub dataset's split; local files have train only, the corpus none"),
+    "data.text_field": Acts("body", fails, ("data.dataset={body}",)),
+    "data.streaming": Acts("true", LOSSES, ("data.dataset={documents}",)),
+    "data.pack": Acts("false", TOKENS),
+    "data.document_mask": Acts("true", LOSSES, ("data.dataset={documents}",)),
+    "data.tokenizer": Acts("{tokenizer}", LOSSES),
+    "data.seq_len": Acts("32", TOKENS),
+    "data.embedded_max_bytes": Acts("800000", LOSSES),
+    "data.embedded_vocab_size": Acts("2048", LOSSES),
+    "data.cache_dir": Acts("{cache}", differs(lambda r: r["watched"])),
+    "train.steps": Acts("3", differs(lambda r: len(steps(r)))),
+    "train.global_batch_size": Acts("4", TOKENS),
+    "train.micro_batch_size": Acts("4", differs(layout("forwards"))),
+    "train.lr": Acts("0.01", LR),
+    "train.min_lr_ratio": Acts("0.5", LR, ("train.steps=4",)),
+    "train.warmup_steps": Acts("0", LR),
+    "train.lr_schedule": Acts("wsd", LR, ("train.steps=6",)),
+    "train.wsd_decay_ratio": Acts("0.5", LR, ("train.steps=6", "train.lr_schedule=wsd")),
+    "train.weight_decay": Acts("0.5", LOSSES),
+    "train.betas": Acts("[0.5, 0.6]", LOSSES, ("train.steps=3",)),
+    "train.eps": Acts("0.001", LOSSES),
+    "train.max_grad_norm": Acts("0.01", LOSSES, ("train.steps=3",)),
+    "train.seed": Acts("1", LOSSES),
+    "train.gradient_checkpointing": Acts("true", differs(layout("gradient_checkpointing"))),
+    "train.compile": ProvenBy("tests/test_fsdp_keys.py::test_per_layer_compile_matches_eager"),
+    "train.loss_chunk_tokens": ProvenBy(
+        "tests/test_loss.py::test_the_chunked_head_takes_the_logits_out_of_the_peak"
+    ),
+    "train.sync_each_batch": ProvenBy(  # one rank reduce-scatters nothing
+        "tests/test_fsdp_keys.py::test_gradients_are_reduce_scattered_once_per_step_unless_sync_each_batch"
+    ),
+    "train.device": Refused("cuda"),
+    "train.stop_after": Acts("1", differs(lambda r: event(r, "stopped").get("step"))),
+    "train.router_aux_loss_coef": Refused("0.01"),
+    "fsdp.version": Refused("1"),
+    "fsdp.reshard_after_forward": Acts("false", differs(ready("units_kept_after_forward"))),
+    "fsdp.cpu_offload": Acts("true", differs(layout("offload"))),
+    "fsdp.auto_wrap_policy": Acts("NO_WRAP", differs(ready("fsdp_units"))),
+    "fsdp.transformer_layer_cls_to_wrap": Acts(
+        '["LlamaMLP", "LlamaAttention"]', differs(ready("fsdp_units"))
+    ),
+    "fsdp.min_num_params": Acts("100000", differs(ready("fsdp_units")), SIZE_BASED),
+    "fsdp.state_dict_type": Acts(
+        "SHARDED_STATE_DICT", differs(lambda r: [f for f in files(r) if "export" in f])
+    ),
+    "fsdp.cpu_ram_efficient_loading": ProvenBy(
+        "tests/test_export.py::test_cpu_ram_efficient_loading_reads_on_rank0_only_and_gives_identical_weights"
+    ),
+    "fsdp.activation_checkpointing": Acts("true", differs(layout("checkpointed"))),
+    "fsdp.activation_checkpointing_offload": Acts("true", differs(ready("offloaded_layers")), AC),
+    "fsdp.ac_policy": Acts("2", differs(layout("checkpointed")), AC),
+    "fsdp.mixed_precision": Acts("bf16", LOSSES),
+    "fsdp.xla": Refused("true"),
+    "fsdp.xla_fsdp_settings": Refused('{"compute_dtype": "bfloat16"}'),
+    "fsdp.xla_fsdp_grad_ckpt": Refused("true"),
+    "fsdp.xla_fsdp_v2": Refused("false"),
+    **MULTI_RANK,
+    "parallelism.fsdp_size": Refused("1"),
+    "parallelism.ep_size": Refused("2"),
+    "parallelism.cp_size": ProvenBy(
+        "tests/test_parity.py::test_document_mask_under_cp_trains_like_one_process"
+    ),
+    "parallelism.sp_size": Refused("2"),
+    "parallelism.cp_comm_strategy": Refused("alltoall", ("parallelism.cp_size=1",)),
+    "checkpoint.dir": Acts("{elsewhere}", differs(lambda r: r["watched"])),
+    "checkpoint.interval": Acts("1", differs(lambda r: len(events(r, "checkpoint")))),
+    "checkpoint.keep_latest": Acts(
+        "1",
+        differs(lambda r: sorted({f.split("/")[1] for f in files(r) if f.startswith("checkpoints/step-")})),
+        ("checkpoint.interval=1",),
+    ),
+    "checkpoint.resume": Acts(  # in a copy of the base run's directory: auto resumes at its last step
+        "none", differs(lambda r: events(r, "model_ready")[-1]["start_step"]), ("copy base",)
+    ),
+    "checkpoint.export": Acts("false", differs(lambda r: [f for f in files(r) if f.startswith("export")])),
+    "checkpoint.async_save": Acts(
+        "true", differs(lambda r: [e.get("async") for e in events(r, "checkpoint")])
+    ),
+    "checkpoint.verify_checksums": ProvenBy(
+        "tests/test_damaged.py::test_damaged_model_directories_are_one_line"
+    ),
+    "checkpoint.load_best_model_at_end": ProvenBy(
+        "tests/test_finetune.py::test_early_stopping_stops_where_patience_says_and_exports_the_best_step"
+    ),
+    "metrics.log_every": Acts("2", differs(lambda r: [x["step"] for x in steps(r)]), ("train.steps=4",)),
+    "metrics.comm_stats": Acts("true", differs(column("all_gather_calls"))),
+    "metrics.tensorboard": Acts(
+        "true", differs(lambda r: [f for f in files(r) if f.startswith("tensorboard")])
+    ),
+    "metrics.peak_flops": Acts("1e12", differs(column("mfu"))),
+    "metrics.profile_steps": ProvenBy(
+        "tests/test_profiling.py::test_profile_steps_write_a_trace_per_rank_with_every_all_gather_and_reduce_scatter"
+    ),
+    "metrics.memory_snapshot": Refused("true"),  # on a CPU; on CUDA, tests/test_profiling.py
+    "eval.interval": Acts("1", differs(lambda r: len(events(r, "eval"))), ("data.eval_dataset=embedded",)),
+    "eval.early_stopping_patience": ProvenBy(
+        "tests/test_finetune.py::test_early_stopping_stops_where_patience_says_and_exports_the_best_step"
+    ),
+    "eval.early_stopping_threshold": Acts(
+        "10",
+        differs(lambda r: event(r, "stopped").get("reason")),
+        (*EVAL_RUNS, "train.steps=3", "eval.early_stopping_patience=1"),
+    ),
+    "eval.max_sequences": Acts("2", differs(lambda r: [e["tokens"] for e in events(r, "eval")]), EVAL_RUNS),
+    "eval.batch_size": Acts(
+        "2", differs(lambda r: [e.get("eval_loss") for e in events(r, "eval")]), EVAL_RUNS
+    ),
+    "eval.load_balance": Refused("false"),
+    "eval.loss_chunk_tokens": Acts(
+        "0", differs(lambda r: [e.get("eval_loss") for e in events(r, "eval")]), EVAL_RUNS
+    ),
+    "eval.attention": Refused("allgather"),
+    "lora.r": Acts("4", differs(ready("trainable_params"))),
+    "lora.alpha": Acts("64", LOSSES, LORA),
+    "lora.dropout": Acts("0.5", LOSSES, LORA),
+    "lora.target_modules": Acts('["q_proj"]', differs(ready("trainable_params")), LORA),
+    "lora.base_dtype": Acts("bfloat16", differs(layout("param_dtypes")), LORA),
+    "lora.merge_on_export": Acts(
+        "true", differs(lambda r: [f for f in files(r) if f.startswith("export")]), LORA
+    ),
+}
+
+
+# The MoE recipe: pretrain's keys act the same through the same code, except where noted.
+MOE_TABLE = {
+    **PRETRAIN,
+    "model.name_or_path": Acts(("{moe_export}", "model.config={}"), differs(lambda r: losses(r)[:1])),
+    "model.config": Acts("model.config.num_hidden_layers=1", differs(ready("params"))),
+    "data.dataset": Acts("{sft}", LOSSES),
+    "data.eval_dataset": Acts("{sft}", differs(lambda r: [e["eval_loss"] for e in events(r, "eval")])),
+    "data.text_field": Gap(
+        "body", "SFT records have no text field; finetune_moe_ep_fsdp.py does not refuse it"
+    ),
+    "data.streaming": Gap("true", "SFT data is not streamed; finetune_moe_ep_fsdp.py does not refuse it"),
+    "data.document_mask": Gap("true", "SFT rows always restart positions per example; not refused"),
+    "data.embedded_max_bytes": Acts("800000", LOSSES),  # the embedded tokenizer is trained on that slice
+    "train.micro_batch_size": Acts("2", differs(layout("forwards"))),
+    "train.steps": Acts("3", differs(lambda r: [x["step"] for x in steps(r)])),
+    "train.sync_each_batch": ReadBy("train_step"),
+    **{
+        f"train.{key}": ReadBy("lr_multiplier")
+        for key in ("min_lr_ratio", "warmup_steps", "lr_schedule", "wsd_decay_ratio")
+    },
+    **{f"train.{key}": ReadBy("build_optimizer") for key in ("lr", "weight_decay", "betas", "eps")},
+    "train.compile": Refused("true"),
+    "train.loss_chunk_tokens": ProvenBy(
+        "tests/test_loss.py::test_moe_fine_tuning_with_the_chunked_head_equals_the_plain_head"
+    ),
+    "train.router_aux_loss_coef": Acts("0.5", LOSSES),
+    "fsdp.transformer_layer_cls_to_wrap": Acts(
+        '["Qwen3MoeAttention", "Qwen3MoeSparseMoeBlock"]', differs(ready("fsdp_units"))
+    ),
+    "fsdp.xla_fsdp_v2": Gap(
+        "false", "finetune_moe_ep_fsdp.py's check_config refuses the other xla keys only"
+    ),
+    "parallelism.dp_replicate_size": ProvenBy(
+        "tests/test_moe.py::test_layout_matches_one_process_and_places_experts"
+    ),
+    "parallelism.dp_shard_size": Refused("1"),
+    "parallelism.fsdp_size": ProvenBy(
+        "tests/test_moe.py::test_layout_matches_one_process_and_places_experts"
+    ),
+    "parallelism.ep_size": ProvenBy("tests/test_moe.py::test_layout_matches_one_process_and_places_experts"),
+    "parallelism.tp_size": ProvenBy("tests/test_moe.py::test_layout_matches_one_process_and_places_experts"),
+    "parallelism.cp_size": Refused("2"),
+    "checkpoint.load_best_model_at_end": Acts(  # a learning rate that overshoots: the best step is earlier
+        "true",
+        differs(lambda r: event(r, "final").get("fixed_batch_loss")),
+        ("eval.interval=1", "checkpoint.interval=1", "train.steps=3", "train.lr=0.3", "train.warmup_steps=0"),
+    ),
+    "metrics.peak_flops": Gap("1e12", "the MoE recipe logs no MFU, and does not refuse it"),
+    "eval.interval": Acts("1", differs(lambda r: len(events(r, "eval")))),
+    "eval.early_stopping_threshold": Acts(
+        "10",
+        differs(lambda r: event(r, "stopped").get("reason")),
+        ("eval.interval=1", "train.steps=3", "eval.early_stopping_patience=1"),
+    ),
+    "eval.max_sequences": Acts("4", differs(lambda r: [e["tokens"] for e in events(r, "eval")])),
+    "eval.batch_size": Acts("2", differs(layout("forwards"))),
+    "eval.load_balance": Gap(
+        "false", "finetune_moe_ep_fsdp.py has no context parallelism, and does not refuse it"
+    ),
+    "eval.loss_chunk_tokens": ProvenBy(
+        "tests/test_loss.py::test_moe_fine_tuning_with_the_chunked_head_equals_the_plain_head"
+    ),
+    "eval.attention": Gap("allgather", "eval_cp.py's key; finetune_moe_ep_fsdp.py does not refuse it"),
+    "lora.r": Refused("4"),
+    **{
+        f"lora.{key}": Gap(
+            value, "no adapters in the MoE recipe; finetune_moe_ep_fsdp.py refuses lora.r only"
+        )
+        for key, value in [("alpha", "64"), ("dropout", "0.5"), ("target_modules", '["q_proj"]')]
+        + [("base_dtype", "bfloat16"), ("merge_on_export", "true")]
+    },
+}
+
+# eval_cp.py evaluates pretrain_fsdp.py's export; what only training reads is named in one line.
+EVAL_TABLE = {
+    "model.name_or_path": Acts("{moe_export}", differs(result("eval_loss"))),
+    "model.config": Refused("model.config.num_hidden_layers=1"),
+    "model.attn_implementation": Acts("eager", differs(layout("attn"))),
+    "model.trust_remote_code": PRETRAIN["model.trust_remote_code"],
+    "data.dataset": Acts("{documents}", differs(result("eval_loss"))),
+    "data.eval_dataset": Acts("{documents}", differs(result("eval_loss"))),
+    "data.eval_split": PRETRAIN["data.eval_split"],
+    "data.dataset_config": PRETRAIN["data.dataset_config"],
+    "data.split": PRETRAIN["data.split"],
+    "data.text_field": Acts("body", fails, ("data.dataset={body}",)),
+    "data.streaming": Refused("true"),
+    "data.pack": Acts("false", differs(result("tokens"))),
+    "data.document_mask": Acts("true", differs(result("eval_loss")), ("data.dataset={documents}",)),
+    "data.tokenizer": Acts("{tokenizer}", differs(result("eval_loss"))),
+    "data.seq_len": Acts("32", differs(result("tokens"))),
+    "data.embedded_max_bytes": Acts(  # where the held-out files start
+        "800000", differs(result("eval_loss")), ("data.eval_dataset=embedded",)
+    ),
+    "data.cache_dir": PRETRAIN["data.cache_dir"],
+    "fsdp.version": Refused("1"),
+    "fsdp.reshard_after_forward": Acts("false", differs(layout("reshard"))),
+    "fsdp.cpu_offload": Acts("true", differs(layout("offload"))),
+    "fsdp.auto_wrap_policy": Acts("NO_WRAP", differs(layout("fsdp_units"))),
+    "fsdp.transformer_layer_cls_to_wrap": Acts(
+        '["LlamaMLP", "LlamaAttention"]', differs(layout("fsdp_units"))
+    ),
+    "fsdp.min_num_params": Acts("100000", differs(layout("fsdp_units")), SIZE_BASED),
+    "fsdp.cpu_ram_efficient_loading": PRETRAIN["fsdp.cpu_ram_efficient_loading"],
+    "fsdp.mixed_precision": Acts("bf16", differs(result("eval_loss"))),
+    **{
+        key: PRETRAIN[key]
+        for key in ("fsdp.xla", "fsdp.xla_fsdp_settings", "fsdp.xla_fsdp_grad_ckpt", "fsdp.xla_fsdp_v2")
+    },
+    "parallelism.dp_replicate_size": Refused("2"),
+    "parallelism.dp_shard_size": Refused("2"),
+    "parallelism.fsdp_size": Refused("1"),
+    "parallelism.ep_size": Refused("2"),
+    "parallelism.tp_size": Refused("2"),
+    "parallelism.cp_size": ProvenBy(
+        "tests/test_eval_cp.py::test_every_layout_gives_the_cp1_result_and_counts_each_token_once"
+    ),
+    "parallelism.sp_size": Refused("2"),
+    "parallelism.cp_comm_strategy": Refused("alltoall", ("parallelism.cp_size=1",)),
+    "parallelism.timeout_minutes": MULTI_RANK["parallelism.timeout_minutes"],
+    "checkpoint.dir": PRETRAIN["checkpoint.dir"],
+    "checkpoint.verify_checksums": PRETRAIN["checkpoint.verify_checksums"],
+    "metrics.profile_steps": Refused("[1, 1]"),
+    "metrics.memory_snapshot": Refused("true"),
+    "eval.max_sequences": Acts("2", differs(result("tokens"))),
+    "eval.batch_size": Acts("2", differs(layout("forwards"))),
+    "eval.load_balance": Refused("false"),  # at cp_size 1; at 2, tests/test_eval_cp.py runs it
+    "eval.loss_chunk_tokens": ProvenBy(
+        "tests/test_eval_cp.py::test_chunked_head_keeps_full_vocabulary_logits_out_of_memory"
+    ),
+    "eval.attention": Refused("torch_cp"),  # on a CPU
+    "lora.r": Refused("4"),
+}
+# Training keys, at a value other than the default: eval_cp.py names them in one line.
+TRAINING_ONLY = {
+    "train.steps": "3",
+    "train.global_batch_size": "4",
+    "train.micro_batch_size": "2",
+    "train.lr": "0.01",
+    "train.min_lr_ratio": "0.5",
+    "train.warmup_steps": "0",
+    "train.lr_schedule": "wsd",
+    "train.wsd_decay_ratio": "0.5",
+    "train.weight_decay": "0.5",
+    "train.betas": "[0.5, 0.6]",
+    "train.eps": "0.001",
+    "train.max_grad_norm": "0.5",
+    "train.seed": "1",
+    "train.gradient_checkpointing": "true",
+    "train.compile": "true",
+    "train.loss_chunk_tokens": "0",
+    "train.sync_each_batch": "true",
+    "train.stop_after": "1",
+    "train.router_aux_loss_coef": "0.01",
+    "fsdp.state_dict_type": "SHARDED_STATE_DICT",
+    "fsdp.activation_checkpointing": "true",
+    "checkpoint.interval": "1",
+    "checkpoint.keep_latest": "1",
+    "checkpoint.resume": "none",
+    "checkpoint.export": "false",
+    "checkpoint.async_save": "true",
+    "checkpoint.load_best_model_at_end": (
+        "checkpoint.load_best_model_at_end=true",
+        *EVAL_RUNS,
+        "checkpoint.interval=1",
+    ),
+    "metrics.log_every": "2",
+    "metrics.comm_stats": "true",
+    "metrics.tensorboard": "false",
+    "metrics.peak_flops": "1e12",
+    "eval.interval": ("eval.interval=1", "data.eval_dataset=embedded"),
+    "eval.early_stopping_patience": ("eval.early_stopping_patience=1", *EVAL_RUNS),
+    "eval.early_stopping_threshold": "0.5",
+    "lora.alpha": "64",
+    "lora.dropout": "0.5",
+    "lora.target_modules": '["q_proj"]',
+    "lora.base_dtype": "bfloat16",
+    "lora.merge_on_export": "true",
+    "data.embedded_vocab_size": "2048",  # the export's own tokenizer is used
+    "fsdp.activation_checkpointing_offload": (*AC, "fsdp.activation_checkpointing_offload=true"),
+    "fsdp.ac_policy": (*AC, "fsdp.ac_policy=2"),
+}
+EVAL_TABLE.update({key: Named(value) for key, value in TRAINING_ONLY.items()})
+EVAL_TABLE["train.device"] = Refused("cuda")
+
+
+XLA_WRAP = ProvenBy(
+    "tests/test_xla.py::test_wrap_plan_follows_auto_wrap_policy_and_grad_ckpt_takes_the_layers"
+)
+XLA_GAP = "scripts/tpu_xla_fsdp.py neither uses nor refuses it"
+TPU_TABLE = {
+    "model.name_or_path": ProvenBy(
+        "tests/test_xla.py::test_grad_ckpt_keeps_the_losses_and_resume_continues_exactly"
+    ),
+    "model.config": ReadBy("load_model_config"),
+    "model.attn_implementation": Refused("flash_attention_2"),
+    "model.trust_remote_code": ReadBy("build_model"),
+    **{
+        f"data.{key}": ReadBy("build_batches")
+        for key in ("dataset", "pack", "tokenizer", "seq_len", "cache_dir")
+    },
+    "data.text_field": ReadBy("build_batches"),
+    "data.streaming": ReadBy("build_batches"),
+    "data.embedded_max_bytes": ReadBy("build_batches"),
+    "data.embedded_vocab_size": ReadBy("build_batches"),
+    "data.eval_dataset": Gap("embedded", XLA_GAP + " (no evaluation during training)"),
+    "data.eval_split": PRETRAIN["data.eval_split"],
+    "data.dataset_config": PRETRAIN["data.dataset_config"],
+    "data.split": PRETRAIN["data.split"],
+    "data.document_mask": Refused("true"),
+    "train.steps": ReadBy("main"),
+    "train.global_batch_size": ReadBy("build_batches"),
+    "train.micro_batch_size": ReadBy("build_batches"),
+    **{
+        f"train.{key}": ReadBy("lr_multiplier")
+        for key in ("min_lr_ratio", "warmup_steps", "lr_schedule", "wsd_decay_ratio")
+    },
+    **{f"train.{key}": ReadBy("build_optimizer") for key in ("lr", "weight_decay", "betas", "eps")},
+    "train.max_grad_norm": ReadBy("main"),
+    "train.seed": ReadBy("build_model"),
+    "train.gradient_checkpointing": Refused("true"),
+    "train.compile": Refused("true"),
+    "train.loss_chunk_tokens": Gap("0", XLA_GAP + " (its loss takes full logits)"),
+    "train.sync_each_batch": Refused("true"),
+    "train.device": Gap("cpu", XLA_GAP + " (PJRT_DEVICE picks the device)"),
+    "train.stop_after": ReadBy("StopRules"),
+    "train.router_aux_loss_coef": Gap("0.01", XLA_GAP),
+    "fsdp.version": Refused("1"),
+    "fsdp.reshard_after_forward": Refused("false"),
+    "fsdp.cpu_offload": Refused("true"),
+    "fsdp.auto_wrap_policy": XLA_WRAP,
+    "fsdp.transformer_layer_cls_to_wrap": XLA_WRAP,
+    "fsdp.min_num_params": XLA_WRAP,
+    "fsdp.state_dict_type": ProvenBy(
+        "tests/test_xla.py::test_grad_ckpt_keeps_the_losses_and_resume_continues_exactly"
+    ),
+    "fsdp.cpu_ram_efficient_loading": Gap("true", XLA_GAP + " (each host loads the whole checkpoint)"),
+    "fsdp.activation_checkpointing": Refused("true"),
+    "fsdp.activation_checkpointing_offload": Refused("true"),
+    "fsdp.ac_policy": Refused("2"),
+    "fsdp.mixed_precision": Refused("bf16"),
+    "fsdp.xla": Refused("false"),
+    "fsdp.xla_fsdp_settings": ProvenBy(
+        "tests/test_xla.py::test_bf16_compute_dtype_autocasts_and_exports_bf16"
+    ),
+    "fsdp.xla_fsdp_grad_ckpt": ProvenBy(
+        "tests/test_xla.py::test_grad_ckpt_keeps_the_losses_and_resume_continues_exactly"
+    ),
+    "fsdp.xla_fsdp_v2": Refused("false"),
+    **{
+        f"parallelism.{key}": Refused("2")
+        for key in ("dp_replicate_size", "ep_size", "tp_size", "cp_size", "sp_size")
+    },
+    "parallelism.dp_shard_size": Gap("2", XLA_GAP + " (one fsdp axis over every device)"),
+    "parallelism.fsdp_size": Gap("2", XLA_GAP + " (one fsdp axis over every device)"),
+    "parallelism.cp_comm_strategy": Refused("alltoall"),
+    "parallelism.timeout_minutes": Gap("1", XLA_GAP + " (XLA's collectives have their own timeouts)"),
+    **{
+        f"checkpoint.{key}": ReadBy("main")
+        for key in ("dir", "interval", "keep_latest", "resume", "export", "verify_checksums")
+    },
+    "checkpoint.async_save": Refused("true"),
+    "checkpoint.load_best_model_at_end": Refused("true"),
+    "metrics.log_every": ReadBy("StepLog"),
+    "metrics.comm_stats": Gap("true", XLA_GAP + " (the XLA compiler issues the collectives)"),
+    "metrics.tensorboard": ReadBy("MetricsLogger"),
+    "metrics.peak_flops": ReadBy("StepLog"),
+    "metrics.profile_steps": Refused("[1, 1]"),
+    "metrics.memory_snapshot": Refused("true"),
+    "eval.interval": Refused("1", ("data.eval_dataset=embedded",)),
+    "eval.early_stopping_patience": Refused("1"),
+    **{
+        f"eval.{key}": Gap(value, XLA_GAP + " (no evaluation during training)")
+        for key, value in [("early_stopping_threshold", "0.5"), ("max_sequences", "2"), ("batch_size", "2")]
+        + [("load_balance", "false"), ("loss_chunk_tokens", "0"), ("attention", "allgather")]
+    },
+    "lora.r": Refused("4"),
+    **{
+        key: Gap(entry.value, XLA_GAP + " (no adapters)")
+        for key, entry in MOE_TABLE.items()
+        if key.startswith("lora.") and key != "lora.r"
+    },
+}
+TABLES = {
+    "pretrain_fsdp": PRETRAIN,
+    "finetune_moe_ep_fsdp": MOE_TABLE,
+    "eval_cp": EVAL_TABLE,
+    "tpu_xla_fsdp": TPU_TABLE,
+}
+
+
+def every_key() -> list[str]:
+    config = Config()
+    return [
+        f"{section.name}.{field.name}"
+        for section in dataclasses.fields(config)
+        for field in dataclasses.fields(getattr(config, section.name))
+    ]
+
+
+def overrides(key: str, value: str | tuple) -> list[str]:
+    """An entry's value as key=value words; a word that already names a key is taken as it is."""
+    words = value if isinstance(value, tuple) else (value,)
+    return [w if re.match(r"[a-z_]+\.[a-z_.]+=", w) else f"{key}={w}" for w in words]
+
+
+def runs_of(script: str, key: str, entry) -> tuple[tuple | None, tuple | None]:
+    """(the base run's words, the run's words) an entry needs: its context, then its value."""
+    if isinstance(entry, (Refused, Named, Gap)):
+        context = getattr(entry, "context", ())
+        return None, (*context, *overrides(key, entry.value))
+    if isinstance(entry, Acts):
+        return entry.context, (*entry.context, *overrides(key, entry.value))
+    return None, None
+
+
+def test_the_table_covers_every_key_of_every_section():
+    for script, table in TABLES.items():
+        assert sorted(table) == sorted(every_key()), (
+            script,
+            f"missing: {sorted(set(every_key()) - set(table))}",
+            f"not keys: {sorted(set(table) - set(every_key()))}",
+        )
+
+
+def _files(tmp, name: str) -> dict:
+    """The data the table's placeholders name: text documents, records with another text field, SFT
+    records, a tokenizer other than the embedded one, and a cache seeded with the embedded tokenizers."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    root = tmp / name
+    root.mkdir()
+    documents = write_short_documents(root / "documents.jsonl")
+    with open(documents) as f, open(root / "body.jsonl", "w") as out:
+        for line in f:
+            out.write(json.dumps({"body": json.loads(line)["text"]}) + "\n")
+    with open(root / "sft.jsonl", "w") as out:
+        for a in range(200):
+            out.write(json.dumps({"prompt": f"{a} plus {a % 7} is", "completion": f" {a + a % 7}"}) + "\n")
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<eos>"])
+    with open(documents) as f:
+        tokenizer.train_from_iterator((json.loads(line)["text"] for line in f), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", unk_token="<unk>")
+    fast.save_pretrained(root / "tokenizer")
+    return {
+        "{documents}": documents,
+        "{body}": str(root / "body.jsonl"),
+        "{sft}": str(root / "sft.jsonl"),
+        "{tokenizer}": str(root / "tokenizer"),
+    }
+
+
+def plan_runs(tmp) -> tuple[list[dict], dict]:
+    """(every run the table needs, in order, each once; for each (script, key), its base run and run)."""
+    subs = _files(tmp, "data")
+    dirs, plan = {}, []
+    subs["{pretrain_export}"] = str(tmp / "0" / "export")
+    subs["{moe_export}"] = str(tmp / "1" / "export")
+    cached = glob.glob(os.path.join(os.path.expanduser(Config().data.cache_dir), "tokenizer-*"))
+
+    def add(script: str, words: tuple, until_group: bool = False) -> str:
+        """A run; `until_group`: only as far as the process group, for what is refused or named before."""
+        run_id = f"{script}|{' '.join(words)}{' (checked)' if until_group else ''}"
+        if run_id in dirs:
+            return run_id
+        run_dir = str(tmp / str(len(dirs)))
+        dirs[run_id] = run_dir
+        copy = "copy base" in words
+        words = [w for w in words if w != "copy base"]
+        item = {"id": run_id, "script": script, "dir": run_dir, "until_group": until_group}
+        item["copy_from"] = f"{script}|" if copy else None
+        local = {"{cache}": f"{run_dir}-cache", "{elsewhere}": f"{run_dir}-elsewhere"}
+        item["watch"] = next((path for name, path in local.items() if any(name in w for w in words)), None)
+        if "{cache}" in " ".join(words):
+            for tokenizer_dir in cached:  # the embedded tokenizers, so this run does not train them again
+                shutil.copytree(
+                    tokenizer_dir, os.path.join(local["{cache}"], os.path.basename(tokenizer_dir))
+                )
+        argv = [*BASE[script], *words]
+        for name, value in {**subs, **local}.items():
+            argv = [a.replace(name, value) for a in argv]
+        item["argv"] = argv
+        plan.append(item)
+        return run_id
+
+    for script in BASE:  # pretrain's export first: eval_cp.py evaluates it
+        add(script, ())
+    needed = {}
+    for script, table in TABLES.items():
+        for key, entry in table.items():
+            base, run = runs_of(script, key, entry)
+            needed[script, key] = (
+                add(script, base) if base is not None else None,
+                add(script, run, not isinstance(entry, Acts)) if run is not None else None,
+            )
+    return plan, needed
+
+
+def run_plan(tmp, plan: list[dict], needed: dict) -> dict:
+    """The runs, in one subprocess; for each (script, key), what its base run and its run wrote."""
+    with open(tmp / "plan.json", "w") as f:
+        json.dump(plan, f)
+    cmd = [sys.executable, os.path.abspath(__file__), str(tmp / "plan.json"), str(tmp / "out.json")]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0 and os.path.exists(tmp / "out.json"), proc.stderr[-5000:]
+    with open(tmp / "out.json") as f:
+        ran = json.load(f)
+    return {pair: tuple(ran[run_id] if run_id else None for run_id in ids) for pair, ids in needed.items()}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("every_key")
+    return run_plan(tmp, *plan_runs(tmp))
+
+
+def _show(run: dict | None) -> str:
+    if run is None:
+        return "no run"
+    return f"error: {run['error']}\n...{run['out'][-1500:]}"
+
+
+def _test_source(test: str) -> tuple[str, str]:
+    path, name = test.split("::")
+    with open(os.path.join(REPO, path)) as f:
+        text = f.read()
+    node = next(
+        (n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef) and n.name == name), None
+    )
+    assert node is not None, f"{test} does not exist"
+    return text, ast.get_source_segment(text, node)
+
+
+def _reads(script: str, function: str, leaf: str) -> bool:
+    """`script` calls `function` (or it is its main); the function, when the script defines it, or else the
+    common/ module that defines it or one that module imports, reads `.leaf`."""
+    with open(os.path.join(REPO, "scripts", f"{script}.py")) as f:
+        text = f.read()
+    if function != "main":
+        assert re.search(rf"\b{function}\(", text), f"{script}.py does not call {function}"
+    own = [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef) and n.name == function]
+    if own:
+        return bool(re.search(rf"\.{leaf}\b", ast.get_source_segment(text, own[0])))
+    for path in glob.glob(f"{REPO}/common/**/*.py", recursive=True):
+        with open(path) as f:
+            module = f.read()
+        if re.search(rf"^(def|class) {function}\b", module, re.M):
+            modules = re.findall(r"^from common\.([\w.]+) import", module, re.M)
+            modules += [
+                n.strip()
+                for names in re.findall(r"^from common import ([\w, ]+)", module, re.M)
+                for n in names.split(",")
+            ]
+            paths = [path] + [os.path.join(REPO, "common", *name.split(".")) + ".py" for name in modules]
+            config = os.path.join(REPO, "common", "config.py")  # every key's field: no evidence
+            texts = [open(p).read() for p in paths if os.path.exists(p) and p != config]
+            return any(re.search(rf"\.{leaf}\b", t) for t in texts)
+    return False
+
+
+CASES = [(script, key) for script in TABLES for key in every_key()]
+
+
+@pytest.mark.parametrize("script,key", CASES, ids=[f"{s}-{k}" for s, k in CASES])
+def test_every_key_acts_or_errors(script, key, results):
+    entry = TABLES[script][key]
+    base, run = results.get((script, key), (None, None))
+    if isinstance(entry, ProvenBy):
+        text, _ = _test_source(entry.test)
+        assert key.split(".")[-1] in text, f"{entry.test}'s file never sets {key}"
+    elif isinstance(entry, ReadBy):
+        assert _reads(script, entry.function, key.split(".")[-1]), f"{entry.function} does not read {key}"
+    elif isinstance(entry, (Refused, Gap)):
+        named = key.split(".")[-1] in run["error"] if run["error"] else False  # "fsdp.a / b are set" names b
+        refused = named and run["error"].startswith("config error:")
+        if isinstance(entry, Gap):
+            assert not (refused and run["before_group"]), (
+                f"{key} is refused now: make it Refused in the table"
+            )
+            pytest.xfail(f"{key}={entry.value}: {entry.why}")
+        assert refused, _show(run)
+        assert run["before_group"], f"refused only after the process group was up: {run['error']}"
+        assert "\n" not in run["error"], run["error"]
+    elif isinstance(entry, Named):
+        lines = [line for line in run["out"].splitlines() if "these training keys do nothing" in line]
+        assert not run["error"] and len(lines) == 1 and key in lines[0], _show(run)
+    else:
+        assert entry.probe(base, run), (
+            f"no difference from the default\nbase: {_show(base)}\nrun: {_show(run)}"
+        )
+
+
+# The runner: python tests/test_every_key.py PLAN OUT runs each planned run in this one process.
+def _load(script: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(script, os.path.join(REPO, "scripts", f"{script}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _layout(model, counts: dict) -> dict:
+    """What apply_fsdp built: its counts, and the model's own settings that no metric shows."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+    groups = [g for g in groups if g is not None]
+    return {
+        **counts,
+        "attn": model.config._attn_implementation,
+        "gradient_checkpointing": model.is_gradient_checkpointing,
+        "checkpointed": sum(isinstance(m, CheckpointWrapper) for m in model.modules()),
+        "offload": sorted({type(g.offload_policy).__name__ for g in groups}),
+        "reshard": sorted({g.post_forward_mesh_info is not None for g in groups}),
+        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
+
+
+class _SummaryWriter:
+    """Stands in for TensorBoard's when it is not installed: metrics.tensorboard then still shows whether
+    the recipe asked for a writer, and what it wrote."""
+
+    def __init__(self, log_dir: str):
+        os.makedirs(log_dir, exist_ok=True)
+        self.file = open(os.path.join(log_dir, "scalars.txt"), "a")
+
+    def add_scalar(self, tag, value, step):
+        self.file.write(f"{tag} {step} {value}\n")
+
+    def close(self):
+        self.file.close()
+
+
+class _ReachedTheProcessGroup(Exception):
+    pass
+
+
+def _run_one(module, script: str, argv: list[str], until_group: bool) -> dict:
+    import torch.distributed as dist
+
+    from common.config import ConfigError
+    from common.mesh import init_distributed, resolve_device
+
+    out = {"error": None, "before_group": None, "layout": {}}
+    if until_group:  # what init_distributed checks, then stop: the rest is the run itself
+
+        def stop_at_the_process_group(device_preference, timeout_minutes):
+            resolve_device(device_preference)
+            raise _ReachedTheProcessGroup
+
+        module.init_distributed = stop_at_the_process_group
+    captured = io.StringIO()
+    original = getattr(module, "apply_fsdp", None)
+    if original is not None:
+
+        def apply_fsdp(model, *args, **kwargs):
+            counts = original(model, *args, **kwargs)
+            out["layout"] = _layout(model, counts)
+            forwards = out["layout"]["forwards"] = []  # each forward's batch shape
+
+            def count(module, args, kwargs):
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                forwards.append(list(ids.shape) if ids is not None else None)
+
+            model.register_forward_pre_hook(count, with_kwargs=True)
+            return counts
+
+        module.apply_fsdp = apply_fsdp
+    try:
+        with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+            if script == "tpu_xla_fsdp":  # its main() needs torch_xla: what it checks before that
+                cfg = module.parse_args(argv)
+                module.xla_settings(cfg.fsdp)
+                module.check_xla_config(cfg, 4)
+                module.wrap_plan(module.build_model(cfg), cfg.fsdp, cfg.fsdp.xla_fsdp_grad_ckpt)
+            else:
+                module.main(argv)
+    except _ReachedTheProcessGroup:
+        pass
+    except ConfigError as error:
+        out["error"], out["before_group"] = f"config error: {error}", not dist.is_initialized()
+    except Exception as error:  # noqa: BLE001 - a crash is a finding, reported with its traceback
+        out["error"] = f"crash: {type(error).__name__}: {error}\n{traceback.format_exc()[-3000:]}"
+    finally:
+        if original is not None:
+            module.apply_fsdp = original
+        if hasattr(module, "init_distributed"):
+            module.init_distributed = init_distributed
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    out["out"] = captured.getvalue()
+    return out
+
+
+def _run_plan(plan_path: str, out_path: str) -> None:
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        import types
+
+        sys.modules["torch.utils.tensorboard"] = types.SimpleNamespace(SummaryWriter=_SummaryWriter)
+    with open(plan_path) as f:
+        plan = json.load(f)
+    modules, results = {}, {}
+    for item in plan:
+        script, run_dir = item["script"], item["dir"]
+        module = modules.setdefault(script, _load(script))
+        if item.get("copy_from"):  # a run that starts where another one ended (checkpoint.resume)
+            shutil.copytree(results[item["copy_from"]]["dir"], run_dir)
+        argv = item["argv"]
+        words = ["--config", argv[0], f"checkpoint.dir={run_dir}", *argv[1:]]
+        out = _run_one(module, script, words, item["until_group"])
+        out["dir"] = run_dir
+        watched = item["watch"]
+        out["watched"] = sorted(os.listdir(watched)) if watched and os.path.isdir(watched) else None
+        out["files"] = sorted(
+            os.path.relpath(os.path.join(root, name), run_dir)
+            for root, _, names in os.walk(run_dir)
+            for name in names
+        )
+        out["records"] = []
+        if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+            with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+                out["records"] = [json.loads(line) for line in f]
+        out["results"] = None
+        if os.path.exists(os.path.join(run_dir, "eval_results.json")):
+            with open(os.path.join(run_dir, "eval_results.json")) as f:
+                out["results"] = json.load(f)
+        results[item["id"]] = out
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+    sys.stdout.flush()
+    os._exit(0)  # gloo's threads of the runs above may still hold tensors: no interpreter teardown
+
+
+if __name__ == "__main__":
+    _run_plan(*sys.argv[1:3])

@@ -111,7 +111,11 @@ def moe_parts(model: nn.Module) -> tuple[int, Callable] | None:
     experts = expert_modules(model)
     module = importlib.import_module(type(model).__module__)
     aux_loss = getattr(module, "load_balancing_loss_func", no_load_balancing_loss)
-    records_router = "router_logits" in (getattr(type(model.base_model), "_can_record_outputs", None) or {})
+    recorded = (getattr(type(model.base_model), "_can_record_outputs", None) or {}).get("router_logits")
+    # and a router that records them (DeepSeek-V4's hash-routed layers have none)
+    records_router = recorded is not None and any(
+        isinstance(m, recorded.target_class) for m in model.modules()
+    )
     if not experts or not records_router:
         return None
     return next(experts[0].parameters()).shape[0], aux_loss

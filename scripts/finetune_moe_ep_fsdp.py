@@ -214,7 +214,9 @@ def check_config(cfg: Config, world_size: int, model) -> tuple[MoeSizes, int, Ca
     if parts is None:
         raise ConfigError(
             f"model {cfg.model.name_or_path or 'model.config'} is a {type(model).__name__}, not a "
-            f"mixture-of-experts model with an expert plan; use scripts/pretrain_fsdp.py for dense models"
+            f"mixture-of-experts model the recipe can train (it needs an expert plan naming the model's "
+            f"expert modules, and routers that record their logits); use scripts/pretrain_fsdp.py for dense "
+            f"models"
         )
     num_experts, aux_loss_fn = parts
     if aux_loss_fn is no_load_balancing_loss and t.router_aux_loss_coef:

@@ -258,7 +258,7 @@ def test_bad_files_are_one_line_and_exit_2(tmp_path, capsys):
                 "--fsdp-config",
                 write(tmp_path, "f1.json", {"ignored_modules": ["lm_head"]}),
             ],
-            "which FSDP2 cannot leave out of sharding here",
+            "leave unsharded with gradients no rank reduces",
         ),
         (
             [

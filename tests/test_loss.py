@@ -23,7 +23,7 @@ def plain_and_chunked(hidden, weight, labels, dtype):
     for chunked in (False, True):
         h, w = hidden.clone().to(dtype).requires_grad_(), weight.clone().to(dtype).requires_grad_()
         if chunked:
-            loss = ChunkedCrossEntropy.apply(h, w, labels, 64, True)
+            loss, _correct = ChunkedCrossEntropy.apply(h, w, labels, 64, True)
         else:
             loss = F.cross_entropy(F.linear(h, w).float(), labels, ignore_index=-100, reduction="sum")
         loss.backward()

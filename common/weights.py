@@ -3,19 +3,24 @@ init) and the final export. Written under `<name>.tmp` and renamed once complete
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
+import sys
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     set_model_state_dict,
 )
 from transformers import AutoModelForCausalLM
+from transformers.conversion_mapping import WeightConverter, get_model_conversion_mapping
 
 from common import lora, manifest
 from common.config import Config, resolve_mixed_precision
@@ -46,12 +51,70 @@ def move_into_place(tmp: str, final: str) -> None:
 def load_hf_weights(
     model: nn.Module, path: str, broadcast_from_rank0: bool, trust_remote_code: bool = False
 ) -> None:
-    """Fill a sharded model from an HF checkpoint; with broadcast_from_rank0 only rank 0 reads the files.
-    With LoRA adapters the checkpoint fills the base, under PEFT's names, and the adapters are left as they
-    are (common/lora.py initialises them)."""
+    """Fill a sharded model from an HF checkpoint. Each rank reads only the byte ranges of its own shards
+    (DCP's Hugging Face reader), in place, so no rank holds more than its share plus one tensor. A checkpoint
+    whose values Transformers converts as it loads (per-expert weights it fuses) goes through from_pretrained.
+    With LoRA adapters the checkpoint fills the base, under PEFT's names; the adapters are left as they are
+    (common/lora.py initialises them)."""
+    ours = {lora.base_name(n): t for n, t in get_model_state_dict(model).items() if lora.ADAPTERS not in n}
+    names, why_not = direct_layout(model, path, ours)
+    if why_not:
+        if dist.get_rank() == 0:
+            print(f"{path}: {why_not}; loading it whole through from_pretrained", file=sys.stderr)
+        load_converted(model, path, broadcast_from_rank0, trust_remote_code)
+        return
+    # A tied weight's second name and the buffers missing from the files (which keep the values their
+    # construction gave them, common/architectures.py, as from_pretrained's do) are left out.
+    wanted = {names[name]: tensor for name, tensor in ours.items() if name in names}
+    reader = HuggingFaceStorageReader(path, thread_count=READ_THREADS)
+    dcp.load(wanted, storage_reader=reader)  # in place, into the tensors of `ours`
+
+
+READ_THREADS = 4  # files read in parallel per rank (benchmarks/weights_io.py)
+
+
+def direct_layout(model: nn.Module, path: str, ours: dict) -> tuple[dict, str | None]:
+    """{our name: key in the files} of the checkpoint's safetensors, and why they cannot be read straight into
+    `ours` (None when they can): every name of ours is on disk at its shape, and Transformers converts none
+    of its values as it loads."""
+    on_disk, shapes = {}, {}
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                on_disk[key], shapes[key] = file, tuple(f.get_slice(key).get_shape())
+    if not on_disk:
+        return {}, "no safetensors files"
+    # Key renames (GPT-NeoX's embed_out is lm_head) are followed; a conversion of the values is not
+    transforms = get_model_conversion_mapping(model)
+    named = {}
+    for key in on_disk:
+        name = key
+        for transform in transforms:
+            renamed, matched = transform.rename_source_key(name)
+            if matched is not None and isinstance(transform, WeightConverter):
+                return named, f"Transformers converts {key!r} as it loads ({type(transform).__name__})"
+            name = renamed
+        named[name] = key
+    # A tied weight is one parameter under two names, stored once
+    same = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        same.setdefault(id(parameter), set()).add(lora.base_name(name))
+    stored = {name for aliases in same.values() if aliases & named.keys() for name in aliases}
+    buffers = {lora.base_name(name) for name, _ in model.named_buffers()}
+    for name, tensor in ours.items():
+        if name not in named and name not in buffers and name not in stored:
+            return named, f"{name} is not in its files"
+        if name in named and tuple(tensor.shape) != shapes[named[name]]:
+            shape = shapes[named[name]]
+            return named, f"{name} is {tuple(tensor.shape)} in the model and {shape} in its files"
+    return named, None
+
+
+def load_converted(model: nn.Module, path: str, broadcast_from_rank0: bool, trust_remote_code: bool) -> None:
+    """The whole checkpoint through from_pretrained, which applies the model's key renames and weight
+    conversions: on rank 0, then broadcast, with broadcast_from_rank0; else on every rank."""
     full = {}
     if dist.get_rank() == 0 or not broadcast_from_rank0:
-        # from_pretrained applies the model's own key renames and weight conversions.
         full = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, trust_remote_code=trust_remote_code
         ).state_dict()

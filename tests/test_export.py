@@ -6,11 +6,11 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from common.config import DataConfig
 from common.data.batches import LocalBatches, load_tokenizer, prepare_local_data
-from launch import event, pretrain
+from launch import REPO, event, pretrain, run
 
 
 def fixed_batch_loss_of(model, config_overrides: dict) -> float:
@@ -94,28 +94,66 @@ def big_hf_checkpoint(tmp_path_factory):
     return path
 
 
-def test_cpu_ram_efficient_loading_reads_on_rank0_only_and_gives_identical_weights(
-    tmp_path, big_hf_checkpoint
-):
-    common = [
-        "train.steps=0",
-        f"model.name_or_path={big_hf_checkpoint}",
-        "model.config={}",
-        "checkpoint.export=false",
-    ]
-    env = {"MALLOC_MMAP_THRESHOLD_": "131072"}
-    everyone = pretrain(tmp_path / "all", *common, "fsdp.cpu_ram_efficient_loading=false", extra_env=env)
-    rank0 = pretrain(tmp_path / "r0", *common, "fsdp.cpu_ram_efficient_loading=true", extra_env=env)
-    assert event(rank0, "final")["fixed_batch_loss"] == event(everyone, "final")["fixed_batch_loss"]
-    model_gib = 100e6 * 4 / 2**30
-    all_peaks = event(everyone, "model_ready")["peak_mem_after_load_gib_per_rank"]
-    r0_peaks = event(rank0, "model_ready")["peak_mem_after_load_gib_per_rank"]
-    # Rank 1 no longer reads the checkpoint: its peak drops (by ~0.5 model measured here; safetensors are
-    # memory-mapped, so a reader's RSS holds only part of the file at once); rank 0 still reads it all.
-    assert r0_peaks[1] < all_peaks[1] - 0.3 * model_gib, (r0_peaks, all_peaks)
-    assert r0_peaks[0] > r0_peaks[1] + 0.6 * model_gib, r0_peaks
+def test_each_rank_reads_its_share_of_an_hf_checkpoint_with_either_loading_mode(tmp_path, big_hf_checkpoint):
+    """Loading raises no rank's anonymous memory by more than its share of the fp32 weights (its shards'
+    pages, first touched here) plus the largest tensor plus 16 MiB, with fsdp.cpu_ram_efficient_loading on or
+    off; from_pretrained on a rank holds a whole fp32 copy. The weights are from_pretrained's."""
+    share_mib, largest_mib = 100e6 * 4 / 2 / 2**20, 4096 * 1024 * 4 / 2**20
+    losses = set()
+    for efficient in ("true", "false"):
+        out = tmp_path / f"load-{efficient}"
+        loaded = pretrain(
+            tmp_path / efficient,
+            "train.steps=0",
+            "checkpoint.export=false",
+            f"model.name_or_path={big_hf_checkpoint}",
+            "model.config={}",
+            f"fsdp.cpu_ram_efficient_loading={efficient}",
+            extra_env={"MALLOC_MMAP_THRESHOLD_": "131072", "LOAD_MEMORY_OUT": str(out)},
+            wrapper="with_load_memory.py",
+        )
+        for rank in (0, 1):
+            with open(f"{out}.rank{rank}.json") as f:
+                memory = json.load(f)
+            rise = memory["peak"]["RssAnon"] - memory["before"]["RssAnon"]
+            assert share_mib * 0.9 < rise <= share_mib + largest_mib + 16, (efficient, rank, memory)
+        losses.add(event(loaded, "final")["fixed_batch_loss"])
+    [loss] = losses
     hf = LlamaForCausalLM.from_pretrained(big_hf_checkpoint).eval()
-    assert fixed_batch_loss_of(hf, {}) == pytest.approx(event(rank0, "final")["fixed_batch_loss"], abs=1e-5)
+    assert fixed_batch_loss_of(hf, {}) == pytest.approx(loss, abs=1e-5)
+
+
+def test_a_checkpoint_transformers_converts_loads_whole_on_rank0_with_cpu_ram_efficient_loading(tmp_path):
+    """Per-expert weights, which from_pretrained fuses as it loads, are read whole through it: with
+    fsdp.cpu_ram_efficient_loading by rank 0 alone (the others receive their shards), else by every rank.
+    The MoE recipe, 2 ranks, a 34M-parameter Qwen3-MoE."""
+    config = AutoConfig.for_model(
+        "qwen3_moe", vocab_size=4096, hidden_size=512, intermediate_size=512, moe_intermediate_size=512,
+        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, head_dim=64, num_experts=8,
+        num_experts_per_tok=2, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "qwen3_moe")
+    model_mib = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters()) * 4 / 2**20
+    rises = {}
+    for efficient in ("true", "false"):
+        out = tmp_path / f"load-{efficient}"
+        run(
+            "finetune_moe_ep_fsdp.py",
+            ["--config", os.path.join(REPO, "configs", "debug_moe.json"), "train.steps=0", "eval.interval=0",
+             "checkpoint.export=false", f"checkpoint.dir={tmp_path / efficient}",
+             f"model.name_or_path={tmp_path / 'qwen3_moe'}", "model.config={}",
+             f"fsdp.cpu_ram_efficient_loading={efficient}"],
+            nproc=2,
+            extra_env={"MALLOC_MMAP_THRESHOLD_": "131072", "LOAD_MEMORY_OUT": str(out)},
+            wrapper="with_load_memory.py",
+        )  # fmt: skip
+        for rank in (0, 1):
+            with open(f"{out}.rank{rank}.json") as f:
+                memory = json.load(f)
+            rises[efficient, rank] = memory["peak"]["RssAnon"] - memory["before"]["RssAnon"]
+    assert rises["false", 1] > model_mib and rises["false", 0] > model_mib, rises
+    assert rises["true", 0] > model_mib > rises["true", 1] + model_mib / 4, rises
 
 
 def test_the_full_export_is_ready_for_generation(tmp_path):

@@ -66,48 +66,35 @@ def load_hf_weights(
     # A tied weight's second name and the buffers missing from the files (which keep the values their
     # construction gave them, common/architectures.py, as from_pretrained's do) are left out.
     wanted = {names[name]: tensor for name, tensor in ours.items() if name in names}
-    reader = HuggingFaceStorageReader(path, thread_count=READ_THREADS)
+    reader = HuggingFaceStorageReader(path, thread_count=4)  # files read at once per rank
     dcp.load(wanted, storage_reader=reader)  # in place, into the tensors of `ours`
 
 
-READ_THREADS = 4  # files read in parallel per rank (benchmarks/weights_io.py)
-
-
 def direct_layout(model: nn.Module, path: str, ours: dict) -> tuple[dict, str | None]:
-    """{our name: key in the files} of the checkpoint's safetensors, and why they cannot be read straight into
-    `ours` (None when they can): every name of ours is on disk at its shape, and Transformers converts none
-    of its values as it loads."""
-    on_disk, shapes = {}, {}
-    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+    """{our name: its key in the checkpoint's safetensors files}, and why the files cannot be read straight
+    into `ours` (None when they can): Transformers converts some of their values as it loads, or a name of
+    ours, other than a buffer or a tied weight's second name, is not in them."""
+    keys = []
+    for file in glob.glob(os.path.join(path, "*.safetensors")):
         with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                on_disk[key], shapes[key] = file, tuple(f.get_slice(key).get_shape())
-    if not on_disk:
-        return {}, "no safetensors files"
-    # Key renames (GPT-NeoX's embed_out is lm_head) are followed; a conversion of the values is not
-    transforms = get_model_conversion_mapping(model)
-    named = {}
-    for key in on_disk:
+            keys += f.keys()
+    if not keys:
+        return {}, "it has no safetensors files"
+    names, transforms = {}, get_model_conversion_mapping(model)
+    for key in keys:  # Transformers' key renames are followed (GPT-NeoX's embed_out is lm_head)
         name = key
         for transform in transforms:
-            renamed, matched = transform.rename_source_key(name)
-            if matched is not None and isinstance(transform, WeightConverter):
-                return named, f"Transformers converts {key!r} as it loads ({type(transform).__name__})"
-            name = renamed
-        named[name] = key
-    # A tied weight is one parameter under two names, stored once
-    same = {}
+            name, matched = transform.rename_source_key(name)
+            if matched and isinstance(transform, WeightConverter):
+                return names, f"Transformers converts {key!r} as it loads"
+        names[name] = key
+    aliases = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
-        same.setdefault(id(parameter), set()).add(lora.base_name(name))
-    stored = {name for aliases in same.values() if aliases & named.keys() for name in aliases}
-    buffers = {lora.base_name(name) for name, _ in model.named_buffers()}
-    for name, tensor in ours.items():
-        if name not in named and name not in buffers and name not in stored:
-            return named, f"{name} is not in its files"
-        if name in named and tuple(tensor.shape) != shapes[named[name]]:
-            shape = shapes[named[name]]
-            return named, f"{name} is {tuple(tensor.shape)} in the model and {shape} in its files"
-    return named, None
+        aliases.setdefault(parameter, []).append(lora.base_name(name))
+    skip = {name for same in aliases.values() if names.keys() & same for name in same}
+    skip |= {lora.base_name(name) for name, _ in model.named_buffers()}
+    missing = next((name for name in ours if name not in names and name not in skip), None)
+    return names, missing and f"{missing} is not in its files"
 
 
 def load_converted(model: nn.Module, path: str, broadcast_from_rank0: bool, trust_remote_code: bool) -> None:

@@ -11,8 +11,9 @@ from copy_along import ADDED_SINCE, REPO, SCRIPTS, by_part, common_modules, impo
 
 # Lines of the core that copying pretrain_fsdp.py takes along, as the restructure left it. The features that
 # came after it each add a module of their own (ADDED_SINCE), which the copy-along table shows: held-out
-# evaluation, LoRA, manifests of checkpoints and exports, tensor parallelism.
-CORE_LIMIT = 1600
+# evaluation, LoRA, manifests of checkpoints and exports, tensor parallelism. Each rank reading its share of
+# an HF checkpoint is new content of common/weights.py, not a module: 50 lines.
+CORE_LIMIT = 1650
 
 
 def test_docs_layout_holds_the_copy_along_tables_of_this_code():

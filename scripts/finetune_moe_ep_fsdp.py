@@ -173,6 +173,21 @@ def moe_details(experts: list, loss_fn: MoeLoss) -> dict:
     }
 
 
+# Keys the other recipes read and this one has no use for: refused, so none is silently ignored
+NO_ADAPTERS = "finetune_moe_ep_fsdp.py trains no adapters (lora.r must be 0)"
+UNUSED_KEYS = {
+    "data.text_field": "SFT records have prompt and answer fields, not a text field",
+    "data.streaming": "SFT data is read whole, not streamed",
+    "data.document_mask": "SFT rows always restart their positions per example",
+    "fsdp.xla_fsdp_v2": "it applies only to scripts/tpu_xla_fsdp.py",
+    "metrics.peak_flops": "finetune_moe_ep_fsdp.py logs no MFU",
+    "eval.load_balance": "finetune_moe_ep_fsdp.py has no context parallelism",
+    "eval.attention": "it is eval_cp.py's key",
+    **{f"lora.{key}": NO_ADAPTERS for key in ("alpha", "dropout", "target_modules", "base_dtype")},
+    "lora.merge_on_export": NO_ADAPTERS,
+}
+
+
 def check_config(cfg: Config, world_size: int, model) -> tuple[MoeSizes, int, Callable]:
     """Bad sizes and keys fail here, before any process group or memory: (sizes, experts, aux loss)."""
     t, p = cfg.train, cfg.parallelism
@@ -199,6 +214,12 @@ def check_config(cfg: Config, world_size: int, model) -> tuple[MoeSizes, int, Ca
             "fsdp.xla_fsdp_settings / xla_fsdp_grad_ckpt are set but fsdp.xla is false; they apply "
             "only to scripts/tpu_xla_fsdp.py with fsdp.xla=true"
         )
+    defaults = Config()
+    for key, why in UNUSED_KEYS.items():
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) != getattr(getattr(defaults, section), name):
+            value = getattr(getattr(cfg, section), name)
+            raise ConfigError(f"{key} is {value!r} but {why}; leave it unset (docs/config.md)")
     for key in ("cp_size", "sp_size"):
         if getattr(p, key) != 1:
             raise ConfigError(

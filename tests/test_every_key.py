@@ -300,11 +300,9 @@ MOE_TABLE = {
     "model.config": Acts("model.config.num_hidden_layers=1", differs(ready("params"))),
     "data.dataset": Acts("{sft}", LOSSES),
     "data.eval_dataset": Acts("{sft}", differs(lambda r: [e["eval_loss"] for e in events(r, "eval")])),
-    "data.text_field": Gap(
-        "body", "SFT records have no text field; finetune_moe_ep_fsdp.py does not refuse it"
-    ),
-    "data.streaming": Gap("true", "SFT data is not streamed; finetune_moe_ep_fsdp.py does not refuse it"),
-    "data.document_mask": Gap("true", "SFT rows always restart positions per example; not refused"),
+    "data.text_field": Refused("body"),
+    "data.streaming": Refused("true"),
+    "data.document_mask": Refused("true"),
     "data.embedded_max_bytes": Acts("800000", LOSSES),  # the embedded tokenizer is trained on that slice
     "train.micro_batch_size": Acts("2", differs(layout("forwards"))),
     "train.steps": Acts("3", differs(lambda r: [x["step"] for x in steps(r)])),
@@ -322,9 +320,7 @@ MOE_TABLE = {
     "fsdp.transformer_layer_cls_to_wrap": Acts(
         '["Qwen3MoeAttention", "Qwen3MoeSparseMoeBlock"]', differs(ready("fsdp_units"))
     ),
-    "fsdp.xla_fsdp_v2": Gap(
-        "false", "finetune_moe_ep_fsdp.py's check_config refuses the other xla keys only"
-    ),
+    "fsdp.xla_fsdp_v2": Refused("false"),
     "parallelism.dp_replicate_size": ProvenBy(
         "tests/test_moe.py::test_layout_matches_one_process_and_places_experts"
     ),
@@ -340,7 +336,7 @@ MOE_TABLE = {
         differs(lambda r: event(r, "final").get("fixed_batch_loss")),
         ("eval.interval=1", "checkpoint.interval=1", "train.steps=3", "train.lr=0.3", "train.warmup_steps=0"),
     ),
-    "metrics.peak_flops": Gap("1e12", "the MoE recipe logs no MFU, and does not refuse it"),
+    "metrics.peak_flops": Refused("1e12"),
     "eval.interval": Acts("1", differs(lambda r: len(events(r, "eval")))),
     "eval.early_stopping_threshold": Acts(
         "10",
@@ -349,18 +345,14 @@ MOE_TABLE = {
     ),
     "eval.max_sequences": Acts("4", differs(lambda r: [e["tokens"] for e in events(r, "eval")])),
     "eval.batch_size": Acts("2", differs(layout("forwards"))),
-    "eval.load_balance": Gap(
-        "false", "finetune_moe_ep_fsdp.py has no context parallelism, and does not refuse it"
-    ),
+    "eval.load_balance": Refused("false"),
     "eval.loss_chunk_tokens": ProvenBy(
         "tests/test_loss.py::test_moe_fine_tuning_with_the_chunked_head_equals_the_plain_head"
     ),
-    "eval.attention": Gap("allgather", "eval_cp.py's key; finetune_moe_ep_fsdp.py does not refuse it"),
+    "eval.attention": Refused("allgather"),
     "lora.r": Refused("4"),
     **{
-        f"lora.{key}": Gap(
-            value, "no adapters in the MoE recipe; finetune_moe_ep_fsdp.py refuses lora.r only"
-        )
+        f"lora.{key}": Refused(value)
         for key, value in [("alpha", "64"), ("dropout", "0.5"), ("target_modules", '["q_proj"]')]
         + [("base_dtype", "bfloat16"), ("merge_on_export", "true")]
     },

@@ -9,6 +9,7 @@ import copy
 import torch
 from accelerate import init_empty_weights
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -59,6 +60,8 @@ def init_buffers(model: nn.Module, device: torch.device) -> None:
     frequencies under any name, embedding scales (Gemma), masks. A list of names misses some, so the model is
     built once more with its parameters on `meta` and its buffers real, and each buffer is copied across by
     name. A loaded checkpoint then overwrites the persistent ones."""
+    if any(isinstance(buffer, FakeTensor) for buffer in model.buffers()):
+        return  # the planner's fake tensors hold no values (and torch 2.11's reject Accelerate's meta init)
     config = copy.deepcopy(model.config)
     with init_empty_weights(include_buffers=False):  # Accelerate's: parameters on meta, buffers computed
         fresh = dict(type(model)._from_config(config, dtype=torch.float32).named_buffers())

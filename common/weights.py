@@ -56,7 +56,7 @@ def load_hf_weights(
     whose values Transformers converts as it loads (per-expert weights it fuses) goes through from_pretrained.
     With LoRA adapters the checkpoint fills the base, under PEFT's names; the adapters are left as they are
     (common/lora.py initialises them)."""
-    ours = {lora.base_name(n): t for n, t in get_model_state_dict(model).items() if lora.ADAPTERS not in n}
+    ours = base_weights(model)
     names, why_not = direct_layout(model, path, ours)
     if why_not:
         if dist.get_rank() == 0:
@@ -67,7 +67,13 @@ def load_hf_weights(
     # construction gave them, common/architectures.py, as from_pretrained's do) are left out.
     wanted = {names[name]: tensor for name, tensor in ours.items() if name in names}
     reader = HuggingFaceStorageReader(path, thread_count=4)  # files read at once per rank
-    dcp.load(wanted, storage_reader=reader)  # in place, into the tensors of `ours`
+    dcp.load(wanted, storage_reader=reader)  # in place, into the model's own tensors
+
+
+def base_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict under the base model's names, LoRA adapters left out. Its tensors are the
+    model's own (its local shards), so loading into them in place loads the model."""
+    return {lora.base_name(n): t for n, t in get_model_state_dict(model).items() if lora.ADAPTERS not in n}
 
 
 def direct_layout(model: nn.Module, path: str, ours: dict) -> tuple[dict, str | None]:
@@ -220,7 +226,4 @@ def is_sharded_export(path: str) -> bool:
 
 def load_sharded_export(model: nn.Module, path: str) -> None:
     """The model's weights from a DCP directory (a SHARDED export); with LoRA adapters, the base's."""
-    ours = {name: tensor for name, tensor in get_model_state_dict(model).items() if lora.ADAPTERS not in name}
-    state = {"model": {lora.base_name(name): tensor for name, tensor in ours.items()}}
-    dcp.load(state, checkpoint_id=path)  # in place, into the tensors of `ours`
-    set_model_state_dict(model, ours, options=StateDictOptions(strict=not lora.has_adapters(model)))
+    dcp.load({"model": base_weights(model)}, checkpoint_id=path)  # in place, into the model's own tensors

@@ -41,6 +41,7 @@ from common.evaluate import evaluate
 from common.mesh import build_dp_mesh, gather, init_distributed, resolve_device
 from common.model import build_meta_model, load_model_config
 from common.ops.cli import parse_args, run_cli
+from common.ops.integrity import verify_model_checksums
 from common.ops.metrics import GIB, event_line, peak_memory_bytes, reset_peak_memory
 from common.ops.profiling import prepare_diagnostics
 from common.weights import is_sharded_export, load_hf_weights, load_sharded_export
@@ -174,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     # A (dp, cp) mesh: each cp rank holds its (head-tail, with eval.load_balance) share of every sequence.
     prepare_diagnostics(cfg)  # NCCL's flight recorder dumps under the run directory on a timeout
     d = init_distributed(cfg.train.device, p.timeout_minutes)
+    verify_model_checksums(cfg.model, cfg.checkpoint.verify_checksums)  # each rank its share of the files
     dp_size = d.world_size // p.cp_size
     cp_state = cp.setup(seq_len, p.cp_size, e.load_balance, d.device)
     set_rotate_method(p.cp_comm_strategy)  # torch_cp only: how K/V shards travel between cp ranks

@@ -55,7 +55,8 @@ from common.moe import (
     router_load,
 )
 from common.ops.async_save import BackgroundSaves
-from common.ops.cli import parse_args, run_cli
+from common.ops.cli import parse_args, refuse_set_keys, run_cli
+from common.ops.integrity import verify_model_checksums
 from common.ops.metrics import MetricsLogger, StepLog, checkpoint_record, final_record, model_ready_record
 from common.ops.profiling import prepare_diagnostics
 from common.ops.run_dir import find_resume_checkpoint, load_or_set_aside
@@ -214,12 +215,7 @@ def check_config(cfg: Config, world_size: int, model) -> tuple[MoeSizes, int, Ca
             "fsdp.xla_fsdp_settings / xla_fsdp_grad_ckpt are set but fsdp.xla is false; they apply "
             "only to scripts/tpu_xla_fsdp.py with fsdp.xla=true"
         )
-    defaults = Config()
-    for key, why in UNUSED_KEYS.items():
-        section, name = key.split(".")
-        if getattr(getattr(cfg, section), name) != getattr(getattr(defaults, section), name):
-            value = getattr(getattr(cfg, section), name)
-            raise ConfigError(f"{key} is {value!r} but {why}; leave it unset (docs/config.md)")
+    refuse_set_keys(cfg, UNUSED_KEYS)
     for key in ("cp_size", "sp_size"):
         if getattr(p, key) != 1:
             raise ConfigError(
@@ -262,6 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     # Two views of the same ranks: dense (dp_replicate, fsdp, tp) and expert (dp_replicate, efsdp, ep).
     prepare_diagnostics(cfg)  # NCCL's flight recorder dumps under the run directory on a timeout
     d = init_distributed(t.device, cfg.parallelism.timeout_minutes)
+    verify_model_checksums(cfg.model, cfg.checkpoint.verify_checksums)  # each rank its share of the files
     device, (dense_mesh, expert_mesh) = d.device, build_moe_meshes(d.device.type, sizes)
     dp_rank = data_parallel_rank(dense_mesh)  # tp peers share a batch
     torch.manual_seed(t.seed)

@@ -35,7 +35,8 @@ from common.evaluate import evaluate
 from common.mesh import build_meshes, init_distributed, resolve_device, resolve_dp_sizes
 from common.model import build_meta_model, load_model_config
 from common.ops.async_save import BackgroundSaves
-from common.ops.cli import parse_args, run_cli
+from common.ops.cli import parse_args, refuse_set_keys, run_cli
+from common.ops.integrity import verify_model_checksums
 from common.ops.metrics import (
     MetricsLogger,
     StepLog,
@@ -165,11 +166,7 @@ def check_config(cfg: Config, world_size: int) -> tuple[int, int, int]:
             f"loss; leave it unset (MoE with its router loss: finetune_moe_ep_fsdp.py)"
         )
     # Evaluation during training load-balances cp shards and all-gathers K/V, whatever these two say.
-    for key in ("load_balance", "attention"):
-        if getattr(cfg.eval, key) != getattr(Config().eval, key):
-            raise ConfigError(
-                f"eval.{key} is {getattr(cfg.eval, key)!r} but only eval_cp.py reads it; remove it here"
-            )
+    refuse_set_keys(cfg, {f"eval.{key}": "only eval_cp.py reads it" for key in ("load_balance", "attention")})
     dp_replicate, dp_shard = resolve_dp_sizes(p, world_size)
     dp_size = world_size // (p.cp_size * p.tp_size)  # the cp and tp ranks of a data-parallel group share it
     check_batch_sizes(cfg.train, dp_size)
@@ -193,12 +190,12 @@ def main(argv: list[str] | None = None) -> None:
     # rank training on its share of every sequence; with TP, over the data-parallel ranks, of TP pieces.
     prepare_diagnostics(cfg)  # NCCL's flight recorder dumps under the run directory on a timeout
     d, device = init_distributed(t.device, p.timeout_minutes), resolve_device(t.device)
+    verify_model_checksums(cfg.model, c.verify_checksums)  # each rank its share of the files: read once
     mesh, tp_mesh = build_meshes(device.type, dp_replicate, dp_shard * p.cp_size, p.tp_size)
     cp_state = cp.setup(seq_len, p.cp_size, True, device) if p.cp_size > 1 else None
     torch.manual_seed(t.seed)
 
-    # Data before the model, so a missing dataset or tokenizer fails before any memory is allocated. A
-    # data-parallel rank's cp or tp ranks are adjacent (common/cp.py, common/mesh.py): the same batches.
+    # Data before the model: a bad dataset fails before any memory. A dp rank's cp and tp peers share it.
     dp_rank = d.rank // (p.cp_size * p.tp_size)
     tokenizer, data = build_batches(cfg.data, t, dp_rank, dp_size, d.is_main, hf_config.vocab_size)
     held_out = held_out_batches(cfg.data, e, tokenizer, dp_rank, dp_size, d.is_main) if e.interval else []

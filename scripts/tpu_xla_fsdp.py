@@ -41,6 +41,7 @@ from common.data.batches import build_batches
 from common.data.checks import check_vocab_size
 from common.model import build_meta_model, init_weights, load_model_config
 from common.ops.cli import parse_args, run_cli
+from common.ops.integrity import verify_model_checksums
 from common.ops.metrics import MetricsLogger, StepLog, checkpoint_record, flops_per_token
 from common.ops.run_dir import find_resume_checkpoint, load_or_set_aside
 from common.ops.stopping import StopRules
@@ -352,6 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     if xr.process_count() > 1:
         # Multi-host TPU: DCP needs a process group to coordinate hosts (each host drives its own devices).
         torch.distributed.init_process_group("gloo", init_method="xla://")
+    verify_model_checksums(cfg.model, cfg.checkpoint.verify_checksums)  # each host its share of the files
     xr.use_spmd()  # before any XLA tensor exists
     num_devices = xr.global_runtime_device_count()
     check_xla_config(cfg, num_devices)

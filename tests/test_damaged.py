@@ -25,13 +25,14 @@ def export(tmp_path_factory) -> str:
     return str(run_dir / "export")
 
 
-def refused(run_dir, *overrides: str, nproc: int = 0, config: str = TINY) -> list[str]:
+def refused(run_dir, *overrides: str, nproc: int = 0, config: str = TINY, **kwargs) -> list[str]:
     """The config-error lines of a run that must stop at once, with exit 2 and nothing written."""
     proc = run(
         "pretrain_fsdp.py",
         ["--config", config, f"checkpoint.dir={run_dir}", *overrides],
         nproc=nproc,
         check=False,
+        **kwargs,
     )
     lines = [line for line in proc.stderr.splitlines() if "config error:" in line]
     assert proc.returncode == (2 if nproc == 0 else 1) and len(lines) == max(nproc, 1), proc.stderr[-3000:]
@@ -142,13 +143,25 @@ def test_a_damaged_tokenizer_is_one_line(tmp_path, export):
     assert "could not be loaded" in line
 
 
-def test_a_damaged_sharded_export_is_one_line(tmp_path):
+def test_a_damaged_sharded_export_is_one_line_and_each_rank_checksums_its_share(tmp_path):
+    """Each rank checksums every world-size-th weight file, so across the ranks the export is read once;
+    the finding is every rank's: a corrupted file that rank 1 read is one line on both ranks."""
     pretrain(tmp_path / "sharded", "train.steps=1", "fsdp.state_dict_type=SHARDED_STATE_DICT")
     export = tmp_path / "sharded" / "export"
-    distcp = sorted(name for name in os.listdir(export) if name.endswith(".distcp"))[0]
-    truncate(export / distcp)
-    (line,) = refused(tmp_path / "run", f"model.name_or_path={export}", "model.config={}")
-    assert f"{export}/{distcp} has " in line
+    files = sorted(name for name in os.listdir(export) if name.endswith(".distcp"))
+    assert len(files) == 2
+    flip_a_byte(export / files[1])
+    log = tmp_path / "sums"
+    model = [f"model.name_or_path={export}", "model.config={}"]
+    lines = refused(
+        tmp_path / "r1", *model, nproc=2, wrapper="with_checksum_log.py", extra_env={"CHECKSUM_LOG": str(log)}
+    )
+    assert all(f"{export}/{files[1]} does not match its checksum (corrupted)" in line for line in lines)
+    read = [open(f"{log}.rank{rank}").read().split() for rank in (0, 1)]
+    assert read == [[f"{export}/{files[0]}"], [f"{export}/{files[1]}"]]
+    truncate(export / files[0])  # a size against the manifest: every rank sees it, before any process group
+    (line,) = refused(tmp_path / "r2", *model)
+    assert f"{export}/{files[0]} has " in line
 
 
 # A damaged checkpoint never blocks `auto`: it moves aside and the run resumes from the one before.

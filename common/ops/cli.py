@@ -27,8 +27,8 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> Config:
     translation = Translation()
     sources = (args.config, args.overrides, args.fsdp_config, args.accelerate_config)
     cfg = load_config(*sources, os.environ, changes, translation)
-    # before any work, on every rank: a damaged file is one line
-    check_model_files(cfg.model, cfg.checkpoint.verify_checksums)
+    # before any work, on every rank: a damaged file is one line (checksums: verify_model_checksums)
+    check_model_files(cfg.model)
     if os.environ.get("RANK", "0") == "0":
         if changes:
             print(
@@ -38,6 +38,17 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> Config:
         if translation.line():
             print(translation.line(), flush=True)
     return cfg
+
+
+def refuse_set_keys(cfg: Config, reasons: dict[str, str]) -> None:
+    """One line for the first "section.key" of `reasons` set away from its default: a key a script has no
+    use for errors rather than being ignored."""
+    defaults = Config()
+    for key, reason in reasons.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value != getattr(getattr(defaults, section), name):
+            raise ConfigError(f"{key} is {value!r} but {reason}; leave it unset (docs/config.md)")
 
 
 def run_cli(main, argv: list[str] | None = None) -> None:

@@ -23,21 +23,56 @@ WEIGHTS = (
 )
 
 
-def check_model_files(cfg: ModelConfig, checksums: bool = True) -> None:
-    """A local model.name_or_path must be whole; checked on every rank before any work."""
+def check_model_files(cfg: ModelConfig) -> None:
+    """A local model.name_or_path must be whole: config.json, the weight files and their sizes, safetensors
+    headers, DCP's index. Checked on every rank before any work; it reads only headers. The checksums come
+    once the process group exists (verify_model_checksums), so the ranks can share them."""
     if cfg.name_or_path and os.path.isdir(cfg.name_or_path):
         try:
-            problem = model_dir_damage(cfg.name_or_path, checksums)
+            problem = model_dir_damage(cfg.name_or_path, checksums=False)
         except OSError as e:
             raise ConfigError(f"model.name_or_path {cfg.name_or_path!r} could not be read ({e})") from None
         if problem:
             raise ConfigError(f"model.name_or_path {cfg.name_or_path!r} is damaged: {problem}")
 
 
-def damage(directory: str, checksums: bool = True, weights_only: bool = False) -> str | None:
+def verify_model_checksums(cfg: ModelConfig, checksums: bool) -> None:
+    """A local model directory's weight files against its manifest's checksums, each rank its share (file i
+    on rank i mod the world size): across the ranks the weights are read once, not once per rank, and in
+    parallel. Every rank takes the finding, so a damaged file is one line on every rank."""
+    path = cfg.name_or_path
+    if not (checksums and path and os.path.isdir(path)):
+        return
+    import torch.distributed as dist
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    try:
+        problem = damage(path, weights_only=True, share=(rank, world))
+        error = problem and f"model.name_or_path {path!r} is damaged: {problem}"
+    except OSError as e:
+        error = f"model.name_or_path {path!r} could not be read ({e})"
+    if error := first_on_any_rank(error):
+        raise ConfigError(error)
+
+
+def first_on_any_rank(error: str | None) -> str | None:
+    """The first rank's error, on every rank (None where none had one)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return error
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e), None)
+
+
+def damage(
+    directory: str, checksums: bool = True, weights_only: bool = False, share: tuple[int, int] = (0, 1)
+) -> str | None:
     """What is wrong with a checkpoint or export directory, naming the file; None if nothing is. Without a
     manifest (written before manifests existed) only DCP's own index is checked. `weights_only`: leave out the
-    small files a person may edit on purpose (config.json, the tokenizer's)."""
+    small files a person may edit on purpose (config.json, the tokenizer's). `share` (rank, world size):
+    checksum only every world-size-th file, from the rank-th; sizes are checked for all."""
     problem = None
     manifest = os.path.join(directory, MANIFEST)
     if os.path.exists(manifest):
@@ -46,9 +81,9 @@ def damage(directory: str, checksums: bool = True, weights_only: bool = False) -
                 entries = json.load(f)
         except ValueError as e:
             return f"{manifest} is unreadable ({e})"
-        for name, entry in entries.items():
-            if weights_only and not name.endswith(WEIGHT_SUFFIXES):
-                continue
+        names = [name for name in entries if name.endswith(WEIGHT_SUFFIXES) or not weights_only]
+        for index, name in enumerate(names):
+            entry = entries[name]
             path = os.path.join(directory, name)
             if not os.path.exists(path):
                 return f"{path} is missing"
@@ -57,7 +92,8 @@ def damage(directory: str, checksums: bool = True, weights_only: bool = False) -
                 return (
                     f"{path} has {size:,} bytes, {entry['bytes']:,} when written (truncated or overwritten)"
                 )
-            if checksums and "xxh3_64" in entry and checksum(path) != entry["xxh3_64"]:
+            mine = index % share[1] == share[0]
+            if checksums and mine and "xxh3_64" in entry and checksum(path) != entry["xxh3_64"]:
                 return f"{path} does not match its checksum (corrupted)"
     if os.path.exists(os.path.join(directory, ".metadata")):
         problem = _dcp_damage(directory)

@@ -59,7 +59,7 @@ def load_or_set_aside(path: str | None, c: CheckpointConfig, load, *state) -> tu
         except (Exception, CheckpointException) as failed:  # DCP's is a BaseException, raised on every rank
             error = _reason(failed)
         try:  # one verdict: a rank whose own part loaded must not go on alone
-            error = _first_on_any_rank(error)
+            error = integrity.first_on_any_rank(error)
             if error is None:
                 return path, loaded
             problem = _damage_seen_by_rank0(path, c.verify_checksums)
@@ -91,14 +91,6 @@ def _reason(failed: BaseException) -> str:
         rank, carried = min(failed.failures.items(), key=lambda item: item[0])
         where, failed = f"rank {rank}: ", carried[0] if isinstance(carried, tuple) else carried
     return f"{where}{type(failed).__name__}: {(str(failed).splitlines() or [''])[0]}"
-
-
-def _first_on_any_rank(error: str | None) -> str | None:
-    if not dist.is_initialized():
-        return error
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    return next((e for e in errors if e), None)
 
 
 def _damage_seen_by_rank0(path: str, checksums: bool) -> str | None:

@@ -40,7 +40,7 @@ from common.config import Config, ConfigError, FsdpConfig
 from common.data.batches import build_batches
 from common.data.checks import check_vocab_size
 from common.model import build_meta_model, init_weights, load_model_config
-from common.ops.cli import parse_args, run_cli
+from common.ops.cli import parse_args, refuse_set_keys, run_cli
 from common.ops.integrity import verify_model_checksums
 from common.ops.metrics import MetricsLogger, StepLog, checkpoint_record, flops_per_token
 from common.ops.run_dir import find_resume_checkpoint, load_or_set_aside
@@ -120,6 +120,28 @@ def require_torch_xla() -> None:
         )
 
 
+NO_EVALUATION = "the XLA recipe does not evaluate during training (scripts/eval_cp.py scores its checkpoints)"
+ONE_AXIS = "the XLA recipe shards over one fsdp axis of every device"
+UNUSED_KEYS = {
+    "data.eval_dataset": NO_EVALUATION,
+    **{f"eval.{key}": NO_EVALUATION for key in ("early_stopping_threshold", "max_sequences", "batch_size")},
+    **{f"eval.{key}": NO_EVALUATION for key in ("load_balance", "loss_chunk_tokens", "attention")},
+    "train.loss_chunk_tokens": "the XLA recipe's loss takes the full logits",
+    "train.device": "PJRT_DEVICE picks the device",
+    "train.router_aux_loss_coef": "the XLA recipe trains dense models, which have no router",
+    "fsdp.cpu_ram_efficient_loading": "each XLA host loads the whole checkpoint",
+    "parallelism.dp_shard_size": ONE_AXIS,
+    "parallelism.fsdp_size": ONE_AXIS,
+    "parallelism.timeout_minutes": "XLA's collectives have their own timeouts",
+    "metrics.comm_stats": "the XLA compiler issues the collectives",
+    **{
+        f"lora.{key}": "the XLA recipe does not train adapters"
+        for key in ("alpha", "dropout", "target_modules")
+    },
+    **{f"lora.{key}": "the XLA recipe does not train adapters" for key in ("base_dtype", "merge_on_export")},
+}
+
+
 def check_xla_config(cfg: Config, num_devices: int) -> None:
     """FSDP keys with no XLA FSDPv2 meaning are errors, never silently dropped."""
     f, t, p = cfg.fsdp, cfg.train, cfg.parallelism
@@ -165,6 +187,7 @@ def check_xla_config(cfg: Config, num_devices: int) -> None:
             f"eval.interval is {cfg.eval.interval}, but the XLA recipe does not evaluate during training; "
             f"score its checkpoints with scripts/eval_cp.py, or set eval.interval=0"
         )
+    refuse_set_keys(cfg, UNUSED_KEYS)
     if cfg.data.document_mask:
         raise ConfigError(
             "data.document_mask is true, which the XLA recipe does not implement (its attention is "

@@ -166,11 +166,9 @@ PRETRAIN = {
     "model.trust_remote_code": Gap("true", "acts only on a checkpoint that ships its own code; none here"),
     "data.dataset": Acts("{documents}", LOSSES),
     "data.eval_dataset": Acts("embedded", differs(lambda r: len(events(r, "eval"))), EVAL_RUNS[1:]),
-    "data.eval_split": Gap("test", "a hub dataset's split; with local or built-in data it is ignored"),
-    "data.dataset_config": Gap(
-        "default", "a hub dataset's config; with local or built-in data it is ignored"
-    ),
-    "data.split": Gap("test", "a hub dataset's split; local files have train only, the corpus none"),
+    "data.eval_split": Refused("validation"),  # a hub dataset's; the corpus and local files have one split
+    "data.dataset_config": Refused("default"),
+    "data.split": Refused("test"),
     "data.text_field": Acts("body", fails, ("data.dataset={body}",)),
     "data.streaming": Acts("true", LOSSES, ("data.dataset={documents}",)),
     "data.pack": Acts("false", TOKENS),
@@ -300,6 +298,9 @@ MOE_TABLE = {
     "model.config": Acts("model.config.num_hidden_layers=1", differs(ready("params"))),
     "data.dataset": Acts("{sft}", LOSSES),
     "data.eval_dataset": Acts("{sft}", differs(lambda r: [e["eval_loss"] for e in events(r, "eval")])),
+    # "arithmetic": its train part, or the held-out tenth under any other split; no configs.
+    "data.split": Acts("test", LOSSES),
+    "data.eval_split": Acts("train", differs(lambda r: [e["eval_loss"] for e in events(r, "eval")])),
     "data.text_field": Refused("body"),
     "data.streaming": Refused("true"),
     "data.document_mask": Refused("true"),
@@ -473,7 +474,6 @@ EVAL_TABLE["train.device"] = Refused("cuda")
 XLA_WRAP = ProvenBy(
     "tests/test_xla.py::test_wrap_plan_follows_auto_wrap_policy_and_grad_ckpt_takes_the_layers"
 )
-XLA_GAP = "scripts/tpu_xla_fsdp.py neither uses nor refuses it"
 TPU_TABLE = {
     "model.name_or_path": ProvenBy(
         "tests/test_xla.py::test_grad_ckpt_keeps_the_losses_and_resume_continues_exactly"
@@ -489,7 +489,7 @@ TPU_TABLE = {
     "data.streaming": ReadBy("build_batches"),
     "data.embedded_max_bytes": ReadBy("build_batches"),
     "data.embedded_vocab_size": ReadBy("build_batches"),
-    "data.eval_dataset": Gap("embedded", XLA_GAP + " (no evaluation during training)"),
+    "data.eval_dataset": Refused("embedded"),
     "data.eval_split": PRETRAIN["data.eval_split"],
     "data.dataset_config": PRETRAIN["data.dataset_config"],
     "data.split": PRETRAIN["data.split"],
@@ -506,11 +506,11 @@ TPU_TABLE = {
     "train.seed": ReadBy("build_model"),
     "train.gradient_checkpointing": Refused("true"),
     "train.compile": Refused("true"),
-    "train.loss_chunk_tokens": Gap("0", XLA_GAP + " (its loss takes full logits)"),
+    "train.loss_chunk_tokens": Refused("0"),
     "train.sync_each_batch": Refused("true"),
-    "train.device": Gap("cpu", XLA_GAP + " (PJRT_DEVICE picks the device)"),
+    "train.device": Refused("cpu"),
     "train.stop_after": ReadBy("StopRules"),
-    "train.router_aux_loss_coef": Gap("0.01", XLA_GAP),
+    "train.router_aux_loss_coef": Refused("0.01"),
     "fsdp.version": Refused("1"),
     "fsdp.reshard_after_forward": Refused("false"),
     "fsdp.cpu_offload": Refused("true"),
@@ -520,7 +520,7 @@ TPU_TABLE = {
     "fsdp.state_dict_type": ProvenBy(
         "tests/test_xla.py::test_grad_ckpt_keeps_the_losses_and_resume_continues_exactly"
     ),
-    "fsdp.cpu_ram_efficient_loading": Gap("true", XLA_GAP + " (each host loads the whole checkpoint)"),
+    "fsdp.cpu_ram_efficient_loading": Refused("true"),
     "fsdp.activation_checkpointing": Refused("true"),
     "fsdp.activation_checkpointing_offload": Refused("true"),
     "fsdp.ac_policy": Refused("2"),
@@ -537,10 +537,10 @@ TPU_TABLE = {
         f"parallelism.{key}": Refused("2")
         for key in ("dp_replicate_size", "ep_size", "tp_size", "cp_size", "sp_size")
     },
-    "parallelism.dp_shard_size": Gap("2", XLA_GAP + " (one fsdp axis over every device)"),
-    "parallelism.fsdp_size": Gap("2", XLA_GAP + " (one fsdp axis over every device)"),
+    "parallelism.dp_shard_size": Refused("2"),
+    "parallelism.fsdp_size": Refused("2"),
     "parallelism.cp_comm_strategy": Refused("alltoall"),
-    "parallelism.timeout_minutes": Gap("1", XLA_GAP + " (XLA's collectives have their own timeouts)"),
+    "parallelism.timeout_minutes": Refused("1"),
     **{
         f"checkpoint.{key}": ReadBy("main")
         for key in ("dir", "interval", "keep_latest", "resume", "export", "verify_checksums")
@@ -548,7 +548,7 @@ TPU_TABLE = {
     "checkpoint.async_save": Refused("true"),
     "checkpoint.load_best_model_at_end": Refused("true"),
     "metrics.log_every": ReadBy("StepLog"),
-    "metrics.comm_stats": Gap("true", XLA_GAP + " (the XLA compiler issues the collectives)"),
+    "metrics.comm_stats": Refused("true"),
     "metrics.tensorboard": ReadBy("MetricsLogger"),
     "metrics.peak_flops": ReadBy("StepLog"),
     "metrics.profile_steps": Refused("[1, 1]"),
@@ -556,13 +556,13 @@ TPU_TABLE = {
     "eval.interval": Refused("1", ("data.eval_dataset=embedded",)),
     "eval.early_stopping_patience": Refused("1"),
     **{
-        f"eval.{key}": Gap(value, XLA_GAP + " (no evaluation during training)")
+        f"eval.{key}": Refused(value)
         for key, value in [("early_stopping_threshold", "0.5"), ("max_sequences", "2"), ("batch_size", "2")]
         + [("load_balance", "false"), ("loss_chunk_tokens", "0"), ("attention", "allgather")]
     },
     "lora.r": Refused("4"),
     **{
-        key: Gap(entry.value, XLA_GAP + " (no adapters)")
+        key: Refused(entry.value)
         for key, entry in MOE_TABLE.items()
         if key.startswith("lora.") and key != "lora.r"
     },

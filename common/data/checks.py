@@ -7,7 +7,7 @@ import json
 import os
 from collections.abc import Callable, Iterator
 
-from common.config import ConfigError, TrainConfig
+from common.config import ConfigError, DataConfig, TrainConfig
 
 NEEDS = Callable[[dict], str | None]  # what a record lacks, or None
 
@@ -97,3 +97,27 @@ def check_vocab_size(tokenizer_size: int, vocab_size: int) -> None:
             f"model's own tokenizer (data.tokenizer), or for a new model set model.config.vocab_size >= "
             f"{tokenizer_size}"
         )
+
+
+def check_split_keys(cfg: DataConfig) -> None:
+    """data.split, eval_split and dataset_config choose among a hub dataset's splits and configs (the
+    "arithmetic" task has a train split and a held-out one). The embedded corpus and local files have one of
+    each, so there they would be ignored: they are errors, before any work."""
+    from common.data.batches import local_files  # batches imports this module
+
+    def chooses(source, configs: bool = False) -> bool:
+        fixed = ("embedded", "arithmetic") if configs else ("embedded",)
+        return source is not None and source not in fixed and local_files(source) is None
+
+    for key, default, (name, source), noun in (
+        ("split", "train", ("dataset", cfg.dataset), "splits"),
+        ("eval_split", "test", ("eval_dataset", cfg.eval_dataset), "splits"),
+        ("dataset_config", None, ("dataset", cfg.dataset), "configs"),
+    ):
+        value = getattr(cfg, key)
+        if value != default and not chooses(source, configs=noun == "configs"):
+            raise ConfigError(
+                f"data.{key} is {value!r} but data.{name} {source!r} has no {noun} to choose from (the "
+                f"embedded corpus and local files have one, 'arithmetic' a train and a held-out split); "
+                f"remove it"
+            )

@@ -9,6 +9,7 @@ import os
 import sys
 
 from common.config import Config, ConfigError
+from common.data.checks import check_split_keys
 from common.ops.config_sources import load_config
 from common.ops.fsdp1 import Translation
 from common.ops.integrity import check_model_files
@@ -29,6 +30,7 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> Config:
     cfg = load_config(*sources, os.environ, changes, translation)
     # before any work, on every rank: a damaged file is one line (checksums: verify_model_checksums)
     check_model_files(cfg.model)
+    check_split_keys(cfg.data)
     if os.environ.get("RANK", "0") == "0":
         if changes:
             print(

@@ -163,7 +163,7 @@ PRETRAIN = {
     "model.name_or_path": Acts(("{pretrain_export}", "model.config={}"), differs(lambda r: losses(r)[:1])),
     "model.config": Acts("model.config.num_hidden_layers=1", differs(ready("params"))),
     "model.attn_implementation": Acts("eager", differs(layout("attn"))),
-    "model.trust_remote_code": Gap("true", "acts only on a checkpoint that ships its own code; none here"),
+    "model.trust_remote_code": Acts("true", fails, ("model.name_or_path={remote_code}", "model.config={}")),
     "data.dataset": Acts("{documents}", LOSSES),
     "data.eval_dataset": Acts("embedded", differs(lambda r: len(events(r, "eval"))), EVAL_RUNS[1:]),
     "data.eval_split": Refused("validation"),  # a hub dataset's; the corpus and local files have one split
@@ -298,6 +298,13 @@ MOE_TABLE = {
     "model.config": Acts("model.config.num_hidden_layers=1", differs(ready("params"))),
     "data.dataset": Acts("{sft}", LOSSES),
     "data.eval_dataset": Acts("{sft}", differs(lambda r: [e["eval_loss"] for e in events(r, "eval")])),
+    # The checkpoint's own code runs (without the key, its config cannot be read); its model is dense, which
+    # the recipe then refuses by name, so the run ends there either way, with another error.
+    "model.trust_remote_code": Acts(
+        "true",
+        lambda base, run: "custom code" in base["error"] and "is a RemoteForCausalLM" in run["error"],
+        ("model.name_or_path={remote_code}", "model.config={}"),
+    ),
     # "arithmetic": its train part, or the held-out tenth under any other split; no configs.
     "data.split": Acts("test", LOSSES),
     "data.eval_split": Acts("train", differs(lambda r: [e["eval_loss"] for e in events(r, "eval")])),
@@ -364,7 +371,7 @@ EVAL_TABLE = {
     "model.name_or_path": Acts("{moe_export}", differs(result("eval_loss"))),
     "model.config": Refused("model.config.num_hidden_layers=1"),
     "model.attn_implementation": Acts("eager", differs(layout("attn"))),
-    "model.trust_remote_code": PRETRAIN["model.trust_remote_code"],
+    "model.trust_remote_code": Acts("true", fails, ("model.name_or_path={remote_code}",)),
     "data.dataset": Acts("{documents}", differs(result("eval_loss"))),
     "data.eval_dataset": Acts("{documents}", differs(result("eval_loss"))),
     "data.eval_split": PRETRAIN["data.eval_split"],
@@ -636,7 +643,39 @@ def _files(tmp, name: str) -> dict:
         "{body}": str(root / "body.jsonl"),
         "{sft}": str(root / "sft.jsonl"),
         "{tokenizer}": str(root / "tokenizer"),
+        "{remote_code}": remote_code_checkpoint(root / "remote_code"),
     }
+
+
+def remote_code_checkpoint(path) -> str:
+    """A checkpoint that ships its own code, as trust_remote_code models do (config.json's auto_map): a tiny
+    Llama under a model_type Transformers does not know, with debug_tiny's sizes and vocabulary."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path.mkdir()
+    (path / "configuration_remote.py").write_text(
+        "from transformers import LlamaConfig\n\n\nclass RemoteConfig(LlamaConfig):\n"
+        '    model_type = "remote_llama"\n'
+    )
+    (path / "modeling_remote.py").write_text(
+        "from transformers import LlamaForCausalLM\n\nfrom .configuration_remote import RemoteConfig\n\n\n"
+        "class RemoteForCausalLM(LlamaForCausalLM):\n    config_class = RemoteConfig\n"
+    )
+    with open(TINY) as f:
+        sizes = json.load(f)["model"]["config"]
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**sizes)).save_pretrained(path)
+    with open(path / "config.json") as f:
+        config = json.load(f)
+    config.update(model_type="remote_llama", architectures=["RemoteForCausalLM"])
+    config["auto_map"] = {
+        "AutoConfig": "configuration_remote.RemoteConfig",
+        "AutoModelForCausalLM": "modeling_remote.RemoteForCausalLM",
+    }
+    with open(path / "config.json", "w") as f:
+        json.dump(config, f)
+    return str(path)
 
 
 def plan_runs(tmp) -> tuple[list[dict], dict]:

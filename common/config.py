@@ -5,6 +5,7 @@ and checking each value's type is common/ops/config_sources.py."""
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Literal
@@ -126,6 +127,11 @@ class CheckpointConfig:
     verify_checksums: bool = True
     # Export the weights of the step with the lowest eval_loss, not the last step's; its checkpoint is kept
     load_best_model_at_end: bool = False
+    # A FULL export (or a merged LoRA one), as save_pretrained writes it: split into files of at most this
+    # size (Transformers' max_shard_size), in this dtype (torchtitan's export_dtype; None: the compute dtype,
+    # fsdp.mixed_precision's param_dtype, bf16 on CUDA by default)
+    max_shard_size: str | int = "5GB"
+    export_dtype: Literal["float32", "bfloat16", "float16"] | None = None
 
 
 @dataclass
@@ -275,11 +281,29 @@ def validate(cfg: Config) -> None:
     if p.cp_size > 1 and p.sp_size > 1:
         raise ConfigError(f"parallelism.cp_size={p.cp_size} and sp_size={p.sp_size} are both > 1; pick one")
     _check_evaluation(cfg)
+    _check_export(cfg)
     if cfg.lora.r and not cfg.model.name_or_path and os.environ.get("RANK", "0") == "0":  # once per run
         warnings.warn(
             "lora.r is set but model.name_or_path is not: the adapters train on a randomly initialised, "
             "frozen base, which is almost never what you want; set model.name_or_path to a pretrained model",
             stacklevel=2,
+        )
+
+
+def _check_export(cfg: Config) -> None:
+    """checkpoint.max_shard_size and export_dtype shape a FULL export (or a merged LoRA one), nothing else."""
+    c, adapters = cfg.checkpoint, bool(cfg.lora.r)
+    if not re.fullmatch(r"[1-9]\d*(\.\d+)?\s*([KMGT]I?B)?", str(c.max_shard_size).strip().upper()):
+        raise ConfigError(
+            f'checkpoint.max_shard_size is {c.max_shard_size!r}; give bytes or a size like "5GB"'
+        )
+    full = cfg.lora.merge_on_export if adapters else cfg.fsdp.state_dict_type == "FULL_STATE_DICT"
+    changed = c.max_shard_size != "5GB" and "max_shard_size" or c.export_dtype and "export_dtype"
+    if changed and not full:
+        export = "PEFT's adapters" if adapters else "SHARDED (DCP files)"
+        raise ConfigError(
+            f"checkpoint.{changed} is set but the export is {export}, which it does not shape; remove it, "
+            f"or export FULL_STATE_DICT (with LoRA: lora.merge_on_export=true)"
         )
 
 

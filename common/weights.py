@@ -138,11 +138,13 @@ def export_final(model: nn.Module, cfg: Config, tokenizer, device_type: str) -> 
     """`<checkpoint.dir>/export`, per fsdp.state_dict_type; returns the path."""
     export_dir = os.path.join(cfg.checkpoint.dir, "export")
     prepare_for_generation(model, tokenizer, from_scratch=not cfg.model.name_or_path)
-    dtype = getattr(torch, resolve_mixed_precision(cfg.fsdp, device_type)["param_dtype"])
+    dtype = getattr(
+        torch, cfg.checkpoint.export_dtype or resolve_mixed_precision(cfg.fsdp, device_type)["param_dtype"]
+    )
     if lora.has_adapters(model):  # small: gathered to rank 0 whatever state_dict_type says
         export_lora(model, cfg, export_dir, tokenizer, dtype)
     elif cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
-        export_full(model, export_dir, tokenizer, dtype)
+        export_full(model, export_dir, tokenizer, dtype, cfg.checkpoint.max_shard_size)
     else:
         export_sharded(model, export_dir, tokenizer)
     return export_dir
@@ -158,13 +160,16 @@ def prepare_for_generation(model: nn.Module, tokenizer, from_scratch: bool) -> N
         setattr(model.generation_config, name, getattr(tokenizer, name))
 
 
-def export_full(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype) -> None:
+def export_full(
+    model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype, max_shard_size: str | int
+) -> None:
     # Gathered to rank 0 on CPU one tensor at a time, so no GPU ever holds the whole model.
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         tmp = f"{out_dir}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        write_hf_directory(model, tmp, {k: v.to(dtype) for k, v in state.items()}, tokenizer, dtype)
+        state = {k: v.to(dtype) for k, v in state.items()}
+        write_hf_directory(model, tmp, state, tokenizer, dtype, max_shard_size)
         finish_export(tmp, out_dir)
     dist.barrier()
 
@@ -180,9 +185,8 @@ def export_lora(model: nn.Module, cfg: Config, out_dir: str, tokenizer, dtype: t
         tmp = f"{out_dir}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         if merge:
-            write_hf_directory(
-                model, tmp, {k: v.to(dtype) for k, v in lora.merged(full, cfg.lora).items()}, tokenizer, dtype
-            )
+            merged = {k: v.to(dtype) for k, v in lora.merged(full, cfg.lora).items()}
+            write_hf_directory(model, tmp, merged, tokenizer, dtype, cfg.checkpoint.max_shard_size)
         else:
             os.makedirs(tmp)
             lora.write_adapters(full, cfg.lora, cfg.model.name_or_path, tmp)
@@ -192,8 +196,11 @@ def export_lora(model: nn.Module, cfg: Config, out_dir: str, tokenizer, dtype: t
     dist.barrier()
 
 
-def write_hf_directory(model: nn.Module, out_dir: str, state: dict, tokenizer, dtype: torch.dtype) -> None:
-    model.save_pretrained(out_dir, state_dict=state)
+def write_hf_directory(
+    model: nn.Module, out_dir: str, state: dict, tokenizer, dtype: torch.dtype, max_shard_size: str | int
+) -> None:
+    """save_pretrained's layout: one file, or files of at most max_shard_size and their index."""
+    model.save_pretrained(out_dir, state_dict=state, max_shard_size=max_shard_size)
     # save_pretrained records the dtype of the model's own (fp32 master) parameters, not of `state`.
     model.config.dtype = dtype
     save_config(out_dir, model.config, tokenizer)

@@ -133,7 +133,10 @@ def check_config(cfg: Config, world_size: int) -> str:
             "activation_checkpointing_offload",
             "state_dict_type",
         ],
-        "checkpoint": ["interval", "keep_latest", "resume", "export", "async_save", "load_best_model_at_end"],
+        "checkpoint": [
+            *("interval", "keep_latest", "resume", "export", "async_save", "load_best_model_at_end"),
+            *("max_shard_size", "export_dtype"),
+        ],
         "metrics": ["log_every", "comm_stats", "tensorboard", "peak_flops"],
         "eval": ["interval", "early_stopping_patience", "early_stopping_threshold"],
         "lora": [key for key in vars(cfg.lora) if key != "r"],

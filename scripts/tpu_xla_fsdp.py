@@ -353,9 +353,10 @@ def export(model, cfg: Config, tokenizer, compute_dtype: torch.dtype) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     prepare_for_generation(model.module, tokenizer, from_scratch=not cfg.model.name_or_path)
     if cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
-        state = {hf_key(k): v.cpu().to(compute_dtype) for k, v in model.state_dict().items()}
+        dtype = getattr(torch, cfg.checkpoint.export_dtype) if cfg.checkpoint.export_dtype else compute_dtype
+        state = {hf_key(k): v.cpu().to(dtype) for k, v in model.state_dict().items()}
         if xr.process_index() == 0:
-            write_hf_directory(model.module, tmp, state, tokenizer, compute_dtype)
+            write_hf_directory(model.module, tmp, state, tokenizer, dtype, cfg.checkpoint.max_shard_size)
     else:
         state = {"model": {hf_key(k): v for k, v in model.state_dict().items()}}
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=SPMDSavePlanner())

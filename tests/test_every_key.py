@@ -136,6 +136,11 @@ def fails(base: dict, run: dict) -> bool:  # the default fails where the value r
     return bool(base["error"]) and not run["error"]
 
 
+def exported_dtype(r: dict) -> str | None:
+    with open(os.path.join(r["dir"], "export", "config.json")) as f:
+        return json.load(f).get("dtype")
+
+
 def result(field: str) -> Callable[[dict], object]:
     return lambda r: (r["results"] or {}).get(field)
 
@@ -243,6 +248,10 @@ PRETRAIN = {
         "none", differs(lambda r: events(r, "model_ready")[-1]["start_step"]), ("copy base",)
     ),
     "checkpoint.export": Acts("false", differs(lambda r: [f for f in files(r) if f.startswith("export")])),
+    "checkpoint.max_shard_size": Acts(
+        "1MB", differs(lambda r: [f for f in files(r) if f.startswith("export")])
+    ),
+    "checkpoint.export_dtype": Acts("bfloat16", differs(exported_dtype)),
     "checkpoint.async_save": Acts(
         "true", differs(lambda r: [e.get("async") for e in events(r, "checkpoint")])
     ),
@@ -452,6 +461,8 @@ TRAINING_ONLY = {
     "checkpoint.keep_latest": "1",
     "checkpoint.resume": "none",
     "checkpoint.export": "false",
+    "checkpoint.max_shard_size": "1MB",
+    "checkpoint.export_dtype": "bfloat16",
     "checkpoint.async_save": "true",
     "checkpoint.load_best_model_at_end": (
         "checkpoint.load_best_model_at_end=true",
@@ -552,6 +563,8 @@ TPU_TABLE = {
         f"checkpoint.{key}": ReadBy("main")
         for key in ("dir", "interval", "keep_latest", "resume", "export", "verify_checksums")
     },
+    "checkpoint.max_shard_size": ReadBy("export"),
+    "checkpoint.export_dtype": ReadBy("export"),
     "checkpoint.async_save": Refused("true"),
     "checkpoint.load_best_model_at_end": Refused("true"),
     "metrics.log_every": ReadBy("StepLog"),

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from common.config import DataConfig
@@ -29,7 +30,10 @@ def fixed_batch_loss_of(model, config_overrides: dict) -> float:
 
 @pytest.mark.compat
 def test_full_export_loads_in_transformers_with_identical_outputs(tmp_path):
-    records = pretrain(tmp_path, "train.steps=4", "fsdp.state_dict_type=FULL_STATE_DICT")
+    # Split at checkpoint.max_shard_size, as save_pretrained splits: files and their index.
+    records = pretrain(
+        tmp_path, "train.steps=4", "fsdp.state_dict_type=FULL_STATE_DICT", "checkpoint.max_shard_size=1MB"
+    )
     export = tmp_path / "export"
     model, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
     assert (
@@ -37,11 +41,13 @@ def test_full_export_loads_in_transformers_with_identical_outputs(tmp_path):
         and info["unexpected_keys"] == set()
         and info["mismatched_keys"] == set()
     )
-    assert sorted(os.listdir(export)) == [
+    shards = sorted(name for name in os.listdir(export) if name.endswith(".safetensors"))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors", shards
+    assert sorted(set(os.listdir(export)) - set(shards)) == [
         "config.json",
         "generation_config.json",
         "manifest.json",
-        "model.safetensors",
+        "model.safetensors.index.json",
         "tokenizer.json",
         "tokenizer_config.json",
     ]
@@ -157,8 +163,10 @@ def test_a_checkpoint_transformers_converts_loads_whole_on_rank0_with_cpu_ram_ef
 
 
 def test_the_full_export_is_ready_for_generation(tmp_path):
-    pretrain(tmp_path / "scratch", "train.steps=2", nproc=0)
+    pretrain(tmp_path / "scratch", "train.steps=2", "checkpoint.export_dtype=bfloat16", nproc=0)
     export = tmp_path / "scratch" / "export"
+    with safe_open(export / "model.safetensors", framework="pt") as f:  # cast from the fp32 master weights
+        assert {f.get_slice(key).get_dtype() for key in f.keys()} == {"BF16"}
     tokenizer = AutoTokenizer.from_pretrained(export)
     config = json.loads((export / "config.json").read_text())
     generation = json.loads((export / "generation_config.json").read_text())
@@ -171,7 +179,7 @@ def test_the_full_export_is_ready_for_generation(tmp_path):
     # EOS made certain: with the final norm zeroed every logit is 0 and greedy decoding picks token 0, the
     # tokenizer's EOS. generate() stops right there only if the export names that EOS.
     model = AutoModelForCausalLM.from_pretrained(export).eval()
-    assert tokenizer.eos_token_id == 0
+    assert model.dtype == torch.bfloat16 and tokenizer.eos_token_id == 0
     with torch.no_grad():
         model.model.norm.weight.zero_()
     prompt = tokenizer("def main(", return_tensors="pt").input_ids

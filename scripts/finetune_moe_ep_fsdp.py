@@ -184,8 +184,10 @@ UNUSED_KEYS = {
     "metrics.peak_flops": "finetune_moe_ep_fsdp.py logs no MFU",
     "eval.load_balance": "finetune_moe_ep_fsdp.py has no context parallelism",
     "eval.attention": "it is eval_cp.py's key",
-    **{f"lora.{key}": NO_ADAPTERS for key in ("alpha", "dropout", "target_modules", "base_dtype")},
-    "lora.merge_on_export": NO_ADAPTERS,
+    **{
+        f"lora.{key}": NO_ADAPTERS
+        for key in ("alpha", "dropout", "target_modules", "base_dtype", "merge_on_export")
+    },
 }
 
 

@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM
 
 from common.architectures import init_buffers
 from common.checkpoint import checkpoints_dir, finish_checkpoint, restore_train_state, train_state
-from common.config import Config, ConfigError, FsdpConfig
+from common.config import Config, ConfigError, EvalConfig, FsdpConfig
 from common.data.batches import build_batches
 from common.data.checks import check_vocab_size
 from common.model import build_meta_model, init_weights, load_model_config
@@ -124,8 +124,12 @@ NO_EVALUATION = "the XLA recipe does not evaluate during training (scripts/eval_
 ONE_AXIS = "the XLA recipe shards over one fsdp axis of every device"
 UNUSED_KEYS = {
     "data.eval_dataset": NO_EVALUATION,
-    **{f"eval.{key}": NO_EVALUATION for key in ("early_stopping_threshold", "max_sequences", "batch_size")},
-    **{f"eval.{key}": NO_EVALUATION for key in ("load_balance", "loss_chunk_tokens", "attention")},
+    # check_xla_config refuses eval.interval and early_stopping_patience with their own lines
+    **{
+        f"eval.{key}": NO_EVALUATION
+        for key in vars(EvalConfig())
+        if key not in ("interval", "early_stopping_patience")
+    },
     "train.loss_chunk_tokens": "the XLA recipe's loss takes the full logits",
     "train.device": "PJRT_DEVICE picks the device",
     "train.router_aux_loss_coef": "the XLA recipe trains dense models, which have no router",
@@ -136,9 +140,8 @@ UNUSED_KEYS = {
     "metrics.comm_stats": "the XLA compiler issues the collectives",
     **{
         f"lora.{key}": "the XLA recipe does not train adapters"
-        for key in ("alpha", "dropout", "target_modules")
+        for key in ("alpha", "dropout", "target_modules", "base_dtype", "merge_on_export")
     },
-    **{f"lora.{key}": "the XLA recipe does not train adapters" for key in ("base_dtype", "merge_on_export")},
 }
 
 

@@ -11,8 +11,6 @@ checks it:
   killed rank, torch.compile, the XLA environment); it must exist, and its file must set the key;
 - `ReadBy`: the script hands the key to code that reads it, where its run needs torch_xla, or the same
   function's effect is shown for pretrain_fsdp.py (the MoE recipe's optimizer and schedule keys);
-- `Gap`: not honoured yet where this change could not reach (the MoE and XLA scripts' checks, the data
-  modules, the hub); an expected failure, which fails once the key is refused, so the table follows.
 
 A key added without an entry fails `test_the_table_covers_every_key_of_every_section`. Each run is a recipe's
 own main() on one process; all of them run in one subprocess (python tests/test_every_key.py PLAN OUT), so
@@ -86,12 +84,6 @@ class ReadBy:
     common/ that it imports) reads the key."""
 
     function: str  # main, a function of the script, or one of common/ that it calls
-
-
-@dataclass(frozen=True)
-class Gap:
-    value: str
-    why: str
 
 
 # What a run wrote, for the probes.
@@ -612,7 +604,7 @@ def overrides(key: str, value: str | tuple) -> list[str]:
 
 def runs_of(script: str, key: str, entry) -> tuple[tuple | None, tuple | None]:
     """(the base run's words, the run's words) an entry needs: its context, then its value."""
-    if isinstance(entry, (Refused, Named, Gap)):
+    if isinstance(entry, (Refused, Named)):
         context = getattr(entry, "context", ())
         return None, (*context, *overrides(key, entry.value))
     if isinstance(entry, Acts):
@@ -811,14 +803,9 @@ def test_every_key_acts_or_errors(script, key, results):
         assert key.split(".")[-1] in text, f"{entry.test}'s file never sets {key}"
     elif isinstance(entry, ReadBy):
         assert _reads(script, entry.function, key.split(".")[-1]), f"{entry.function} does not read {key}"
-    elif isinstance(entry, (Refused, Gap)):
+    elif isinstance(entry, Refused):
         named = key.split(".")[-1] in run["error"] if run["error"] else False  # "fsdp.a / b are set" names b
         refused = named and run["error"].startswith("config error:")
-        if isinstance(entry, Gap):
-            assert not (refused and run["before_group"]), (
-                f"{key} is refused now: make it Refused in the table"
-            )
-            pytest.xfail(f"{key}={entry.value}: {entry.why}")
         assert refused, _show(run)
         assert run["before_group"], f"refused only after the process group was up: {run['error']}"
         assert "\n" not in run["error"], run["error"]

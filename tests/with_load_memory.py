@@ -36,10 +36,13 @@ def resident_mib() -> dict:
 def measured(*args, _original=weights.load_or_init_weights, **kwargs):
     before, peak, done = resident_mib(), resident_mib(), threading.Event()
 
+    def sample() -> None:
+        now = resident_mib()
+        peak.update({k: max(peak[k], now[k]) for k in FIELDS})
+
     def poll() -> None:
         while not done.is_set():
-            now = resident_mib()
-            peak.update({k: max(peak[k], now[k]) for k in FIELDS})
+            sample()
 
     thread = threading.Thread(target=poll, daemon=True)
     thread.start()
@@ -48,6 +51,9 @@ def measured(*args, _original=weights.load_or_init_weights, **kwargs):
     finally:
         done.set()
         thread.join()
+        # Once more after the load: on a busy machine the polling thread may not have run since the last
+        # shards were filled, and the loaded weights stay resident, so the peak is at least this.
+        sample()
         with open(f"{os.environ['LOAD_MEMORY_OUT']}.rank{dist.get_rank()}.json", "w") as f:
             json.dump({"before": before, "peak": peak}, f)
 

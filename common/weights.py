@@ -4,6 +4,7 @@ init) and the final export. Written under `<name>.tmp` and renamed once complete
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import sys
@@ -11,9 +12,13 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+    consolidate_safetensors_files_on_every_rank,
+)
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -21,10 +26,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import AutoModelForCausalLM
 from transformers.conversion_mapping import WeightConverter, get_model_conversion_mapping
+from transformers.core_model_loading import revert_weight_conversion
+from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from common import lora, manifest
 from common.config import Config, resolve_mixed_precision
 from common.model import init_weights
+
+SAFE_WEIGHTS_NAME = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+ONE_FILE = "model-00001-of-00001.safetensors"  # torch's name for one consolidated file
 
 
 def save_config(out_dir: str, model_config, tokenizer) -> None:
@@ -33,9 +44,10 @@ def save_config(out_dir: str, model_config, tokenizer) -> None:
         tokenizer.save_pretrained(out_dir)
 
 
-def finish_export(tmp: str, out_dir: str) -> None:
-    """One process: the manifest (files, sizes, checksums: common/manifest.py), then the rename."""
-    manifest.write_manifest(tmp)
+def finish_export(tmp: str, out_dir: str, known: dict | None = None) -> None:
+    """One process: the manifest (files, sizes, checksums: common/manifest.py; `known`: the entries the ranks
+    computed), then the rename."""
+    manifest.write_manifest(tmp, known)
     move_into_place(tmp, out_dir)
 
 
@@ -163,6 +175,73 @@ def prepare_for_generation(model: nn.Module, tokenizer, from_scratch: bool) -> N
 def export_full(
     model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype, max_shard_size: str | int
 ) -> None:
+    """save_pretrained's layout, every rank writing its part: DCP writes each rank's own shards, cast to
+    `dtype`, to part files; then rank r assembles output files r, r + world, ... from them (torch's
+    consolidation), so no rank holds more than its share plus one tensor. A model whose weights Transformers
+    converts back as it saves (per-expert weights it fused on load) is gathered to rank 0 and saved there."""
+    state = get_model_state_dict(model)
+    keys = saved_keys(model, state)
+    if keys is None:
+        export_on_rank0(model, out_dir, tokenizer, dtype, max_shard_size)
+        return
+    tmp, parts = f"{out_dir}.tmp", os.path.join(f"{out_dir}.tmp", "parts")
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    state = {keys[name]: t.to(dtype) for name, t in state.items() if name in keys}  # .to: each rank's shards
+    split = split_torch_state_dict_into_shards(
+        state, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size
+    )
+    order = sorted(split.filename_to_tensors)
+    file_of = {key: order.index(file) + 1 for key, file in split.tensor_to_filename.items()}
+    files = order if split.is_sharded else [ONE_FILE]  # torch's names: save_pretrained's, or 1 of 1
+    writer = HuggingFaceStorageWriter(parts, file_of, thread_count=4, save_distributed=True)
+    writer.sync_files = False  # scratch files, deleted once assembled: no fsync (FileSystemWriter's own flag)
+    dcp.save(state, storage_writer=writer)
+    del state
+    # Private in torch 2.13, and it drops any key missing from file_of: file_of names every key.
+    consolidate_safetensors_files_on_every_rank(parts, tmp, file_of, num_threads=4)
+    own = [file for i, file in enumerate(files, 1) if i % dist.get_world_size() == dist.get_rank()]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, manifest.describe(tmp, own))  # each rank checksums the files it wrote
+    if dist.get_rank() == 0:
+        shutil.rmtree(parts)
+        if split.is_sharded:
+            write_index(model, tmp, split)  # save_pretrained's, in place of torch's
+        else:  # save_pretrained's one file: model.safetensors, and no index
+            os.replace(os.path.join(tmp, ONE_FILE), os.path.join(tmp, SAFE_WEIGHTS_NAME))
+            os.remove(os.path.join(tmp, INDEX))
+        save_model_config(model, tmp, tokenizer, dtype)
+        known = {n: e for entries in every for n, e in entries.items()}
+        finish_export(tmp, out_dir, {SAFE_WEIGHTS_NAME if n == ONE_FILE else n: e for n, e in known.items()})
+    dist.barrier()
+
+
+def saved_keys(model: nn.Module, state: dict) -> dict[str, str] | None:
+    """{our name: the key save_pretrained writes it under}: tied weights' second names left out, Transformers'
+    renames reverted, as save_pretrained does; None where reverting converts values. Worked out on meta
+    tensors, so it costs no memory."""
+    meta = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in state.items()}
+    ours = {id(t): name for name, t in meta.items()}
+    saved = revert_weight_conversion(model, remove_tied_weights_from_state_dict(meta, model))
+    if any(id(t) not in ours for t in saved.values()):
+        return None
+    return {ours[id(t)]: key for key, t in saved.items()}
+
+
+def write_index(model: nn.Module, out_dir: str, split) -> None:
+    """The index save_pretrained writes where the weights are split into several files."""
+    content = {
+        "metadata": {"total_parameters": model.num_parameters(), **split.metadata},
+        "weight_map": split.tensor_to_filename,
+    }
+    with open(os.path.join(out_dir, INDEX), "w", encoding="utf-8") as f:
+        f.write(json.dumps(content, indent=2, sort_keys=True) + "\n")
+
+
+def export_on_rank0(
+    model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype, max_shard_size: str | int
+) -> None:
     # Gathered to rank 0 on CPU one tensor at a time, so no GPU ever holds the whole model.
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
@@ -201,9 +280,16 @@ def write_hf_directory(
 ) -> None:
     """save_pretrained's layout: one file, or files of at most max_shard_size and their index."""
     model.save_pretrained(out_dir, state_dict=state, max_shard_size=max_shard_size)
-    # save_pretrained records the dtype of the model's own (fp32 master) parameters, not of `state`.
+    save_model_config(model, out_dir, tokenizer, dtype)
+
+
+def save_model_config(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype) -> None:
+    # save_pretrained records the dtype of the model's own (fp32 master) parameters, not the export's.
     model.config.dtype = dtype
-    save_config(out_dir, model.config, tokenizer)
+    model.config.save_pretrained(out_dir)
+    model.generation_config.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
     plain_modes(out_dir)
 
 

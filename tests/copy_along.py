@@ -13,7 +13,14 @@ import os
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ["pretrain_fsdp", "finetune_moe_ep_fsdp", "eval_cp", "tpu_xla_fsdp", "estimate_memory"]
+SCRIPTS = [
+    "pretrain_fsdp",
+    "finetune_moe_ep_fsdp",
+    "eval_cp",
+    "tpu_xla_fsdp",
+    "estimate_memory",
+    "convert_to_hf",
+]
 PARTS = {"ops": "operations", "data": "data"}  # common/<folder>/; everything else in common/ is the core
 # Core modules of the features that came after the restructure ("copy the lesson"), each its own module.
 ADDED_SINCE = (

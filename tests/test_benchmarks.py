@@ -22,6 +22,7 @@ from launch import REPO, env, free_port
         ["vs_trainer.py", "--tiny", "--budget-gib", "8", "--lora", "4"],  # LoRA on both sides, and the search
         ["reshard_rule.py", "--tiny"],
         ["ac_policy.py", "--tiny"],
+        ["weights_io.py", "--tiny"],
         ["gpu_bench.py", "{tmp}", "--tiny"],
     ],
     ids=lambda args: args[0],

@@ -11,7 +11,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaC
 
 from common.config import DataConfig
 from common.data.batches import LocalBatches, load_tokenizer, prepare_local_data
-from launch import REPO, event, pretrain, run
+from launch import REPO, TINY, event, pretrain, run
+
+INDEX = "model.safetensors.index.json"
 
 
 def fixed_batch_loss_of(model, config_overrides: dict) -> float:
@@ -59,6 +61,23 @@ def test_full_export_loads_in_transformers_with_identical_outputs(tmp_path):
     )
     assert not os.path.exists(f"{export}.tmp")
     assert (tmp_path / "run_config.json").exists()
+    # The step-4 checkpoint converted without training, its files shared out over 2 processes, is the export.
+    step4 = tmp_path / "checkpoints" / "step-4"
+    run("convert_to_hf.py", [str(step4), str(tmp_path / "hf"), "--max-shard-size=1MB"], nproc=2)
+    assert_same_weights(tmp_path / "hf", export)
+    # Every rank writes its part of the next export; rank 1 killed in the middle leaves this one as it was.
+    before = {name: (export / name).read_bytes() for name in os.listdir(export)}
+    crashed = run(
+        "pretrain_fsdp.py",
+        ["--config", TINY, f"checkpoint.dir={tmp_path}", "train.steps=6",
+         "fsdp.state_dict_type=FULL_STATE_DICT", "checkpoint.max_shard_size=1MB"],
+        nproc=2,
+        check=False,
+        extra_env={"FSDP2_RECIPES_FAULT": "export@6:1"},
+        wrapper="with_faults.py",
+    )  # fmt: skip
+    assert crashed.returncode != 0 and os.path.isdir(tmp_path / "export.tmp" / "parts")
+    assert {name: (export / name).read_bytes() for name in os.listdir(export)} == before
 
 
 @pytest.mark.compat
@@ -80,6 +99,14 @@ def test_sharded_export_is_one_file_per_rank_and_reloads_exactly_on_another_worl
     assert fixed_batch_loss_of(model.eval(), {}) == pytest.approx(
         event(trained, "final")["fixed_batch_loss"], abs=1e-6
     )
+    # Converted by one process, without training: the same files.
+    run("convert_to_hf.py", [str(export), str(tmp_path / "c")], nproc=0)
+    assert_same_weights(tmp_path / "c", tmp_path / "b" / "export")
+    refused = run("convert_to_hf.py", [str(tmp_path / "c"), str(tmp_path / "d")], nproc=0, check=False)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        f"config error: src is '{tmp_path / 'c'}', which has no .metadata; give a checkpoints/step-N or a "
+        "SHARDED export"
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -100,33 +127,67 @@ def big_hf_checkpoint(tmp_path_factory):
     return path
 
 
-def test_each_rank_reads_its_share_of_an_hf_checkpoint_with_either_loading_mode(tmp_path, big_hf_checkpoint):
+def test_each_rank_reads_and_writes_its_share_of_an_hf_checkpoint(tmp_path, big_hf_checkpoint):
     """Loading raises no rank's anonymous memory by more than its share of the fp32 weights (its shards'
     pages, first touched here) plus the largest tensor plus 16 MiB, with fsdp.cpu_ram_efficient_loading on or
-    off; from_pretrained on a rank holds a whole fp32 copy. The weights are from_pretrained's."""
-    share_mib, largest_mib = 100e6 * 4 / 2 / 2**20, 4096 * 1024 * 4 / 2**20
+    off; from_pretrained on a rank holds a whole fp32 copy. The weights are from_pretrained's. The FULL export
+    raises no rank's by more than its share plus one output file, and is bit-identical to the one rank 0
+    gathers and saves alone (which holds the whole model: the contrast)."""
+    share_mib, largest_mib, file_mib = 100e6 * 4 / 2 / 2**20, 4096 * 1024 * 4 / 2**20, 100e6 / 2**20
     losses = set()
     for efficient in ("true", "false"):
-        out = tmp_path / f"load-{efficient}"
+        out = tmp_path / f"mem-{efficient}"
+        export = [
+            "checkpoint.export=true",
+            "fsdp.state_dict_type=FULL_STATE_DICT",
+            "checkpoint.max_shard_size=100MB",
+        ]
         loaded = pretrain(
             tmp_path / efficient,
             "train.steps=0",
-            "checkpoint.export=false",
+            *(export if efficient == "false" else ["checkpoint.export=false"]),
             f"model.name_or_path={big_hf_checkpoint}",
             "model.config={}",
             f"fsdp.cpu_ram_efficient_loading={efficient}",
-            extra_env={"MALLOC_MMAP_THRESHOLD_": "131072", "LOAD_MEMORY_OUT": str(out)},
-            wrapper="with_load_memory.py",
+            extra_env={
+                "MALLOC_MMAP_THRESHOLD_": "131072",
+                "HOST_MEMORY_OUT": str(out),
+                "EXPORT_ON_RANK0_TOO": str(tmp_path / "export-on-rank0"),
+            },
+            wrapper="with_host_memory.py",
         )
         for rank in (0, 1):
-            with open(f"{out}.rank{rank}.json") as f:
-                memory = json.load(f)
-            rise = memory["peak"]["RssAnon"] - memory["before"]["RssAnon"]
-            assert share_mib * 0.9 < rise <= share_mib + largest_mib + 16, (efficient, rank, memory)
+            rise = anonymous_rise(f"{out}.load.rank{rank}.json")
+            assert share_mib * 0.9 < rise <= share_mib + largest_mib + 16, (efficient, rank, rise)
         losses.add(event(loaded, "final")["fixed_batch_loss"])
     [loss] = losses
     hf = LlamaForCausalLM.from_pretrained(big_hf_checkpoint).eval()
     assert fixed_batch_loss_of(hf, {}) == pytest.approx(loss, abs=1e-5)
+    for rank in (0, 1):
+        rise = anonymous_rise(f"{out}.export.rank{rank}.json")
+        assert rise <= share_mib + file_mib + 16, (rank, rise)
+    assert anonymous_rise(f"{out}.export_on_rank0.rank0.json") > 2 * share_mib
+    assert assert_same_weights(tmp_path / "false" / "export", tmp_path / "export-on-rank0") == 5
+
+
+def assert_same_weights(ours, theirs) -> int:
+    """The same safetensors files, index and tensors, bit for bit; returns how many files."""
+    files = sorted(name for name in os.listdir(ours) if name.endswith(".safetensors"))
+    assert files == sorted(name for name in os.listdir(theirs) if name.endswith(".safetensors"))
+    if len(files) > 1:
+        assert json.loads((ours / INDEX).read_text()) == json.loads((theirs / INDEX).read_text())
+    for name in files:
+        with safe_open(ours / name, "pt") as a, safe_open(theirs / name, "pt") as b:
+            assert sorted(a.keys()) == sorted(b.keys())
+            assert all(torch.equal(a.get_tensor(key), b.get_tensor(key)) for key in a.keys())
+    return len(files)
+
+
+def anonymous_rise(path: str) -> float:
+    """MiB: with_host_memory.py's peak anonymous memory over its start."""
+    with open(path) as f:
+        memory = json.load(f)
+    return memory["peak"]["RssAnon"] - memory["before"]["RssAnon"]
 
 
 def test_a_checkpoint_transformers_converts_loads_whole_on_rank0_with_cpu_ram_efficient_loading(tmp_path):
@@ -151,13 +212,11 @@ def test_a_checkpoint_transformers_converts_loads_whole_on_rank0_with_cpu_ram_ef
              f"model.name_or_path={tmp_path / 'qwen3_moe'}", "model.config={}",
              f"fsdp.cpu_ram_efficient_loading={efficient}"],
             nproc=2,
-            extra_env={"MALLOC_MMAP_THRESHOLD_": "131072", "LOAD_MEMORY_OUT": str(out)},
-            wrapper="with_load_memory.py",
+            extra_env={"MALLOC_MMAP_THRESHOLD_": "131072", "HOST_MEMORY_OUT": str(out)},
+            wrapper="with_host_memory.py",
         )  # fmt: skip
         for rank in (0, 1):
-            with open(f"{out}.rank{rank}.json") as f:
-                memory = json.load(f)
-            rises[efficient, rank] = memory["peak"]["RssAnon"] - memory["before"]["RssAnon"]
+            rises[efficient, rank] = anonymous_rise(f"{out}.load.rank{rank}.json")
     assert rises["false", 1] > model_mib and rises["false", 0] > model_mib, rises
     assert rises["true", 0] > model_mib > rises["true", 1] + model_mib / 4, rises
 

@@ -13,8 +13,9 @@ from copy_along import ADDED_SINCE, REPO, SCRIPTS, by_part, common_modules, impo
 # came after it each add a module of their own (ADDED_SINCE), which the copy-along table shows: held-out
 # evaluation, LoRA, manifests of checkpoints and exports, tensor parallelism. Each rank reading its share of
 # an HF checkpoint is new content of common/weights.py, not a module: 50 lines; the FULL export's layout keys
-# (checkpoint.max_shard_size, export_dtype), their checks and their use: 25.
-CORE_LIMIT = 1675
+# (checkpoint.max_shard_size, export_dtype), their checks and their use: 25; every rank writing its part of
+# the FULL export in save_pretrained's layout, the rank-0 save kept for weights Transformers converts: 85.
+CORE_LIMIT = 1760
 
 
 def test_docs_layout_holds_the_copy_along_tables_of_this_code():

@@ -3,7 +3,8 @@
     FSDP2_RECIPES_FAULT=kill@13:1 torchrun --nproc_per_node=2 tests/with_faults.py scripts/pretrain_fsdp.py
 
 FSDP2_RECIPES_FAULT is `<point>@<step>[:<rank>]`: kill (after the step's update), save (inside its checkpoint
-write, before the rename: sync or background), hang, nan (poisons the loss), grad (makes the step's
+write, before the rename: sync or background), export (inside the final export after that step: its parts
+written, not yet assembled into the output files), hang, nan (poisons the loss), grad (makes the step's
 gradients NaN while its loss stays finite), or read (the resume's DCP read of checkpoint step-N fails with an
 I/O timeout, ETIMEDOUT, as a network filesystem's would). Each fires once per run directory, so a job that
 restarts gets past it. The patches wrap the loop helper's after_step, gradient clipping, DCP's save calls
@@ -29,9 +30,10 @@ from common import optim  # noqa: E402
 from common.ops.stopping import StopRules  # noqa: E402
 
 SPEC = os.environ.get("FSDP2_RECIPES_FAULT", "")
-FAULT = re.fullmatch(r"(kill|save|hang|nan|grad|read)@(\d+)(?::(\d+))?", SPEC)
+FAULT = re.fullmatch(r"(kill|save|export|hang|nan|grad|read)@(\d+)(?::(\d+))?", SPEC)
 RUN = {"dir": None, "step": None}  # the run directory and the step being trained, from the loop helper
 IN_WRITE = re.compile(r"step-(\d+)\.tmp$")
+IN_EXPORT = re.compile(r"export\.tmp/parts$")
 CHECKPOINT = re.compile(r"step-(\d+)$")
 
 
@@ -76,13 +78,16 @@ def clip_grad_norm_(parameters, max_norm: float, _original=optim.clip_grad_norm_
 
 def killed_inside_write(save):
     """DCP's save or async_save, and then, for the write named in the fault, the kill: the write (or its
-    background thread) is done or under way, and the checkpoint not yet renamed into place."""
+    background thread) is done or under way, and the checkpoint or export not yet renamed into place."""
 
     def wrapper(*args, **kwargs):
         result = save(*args, **kwargs)
         writer = kwargs.get("storage_writer")
-        match = IN_WRITE.search(str(getattr(writer, "path", "")))
-        if match and fires("save", int(match[1]), os.path.dirname(os.path.dirname(str(writer.path)))):
+        path = str(getattr(writer, "path", ""))
+        run_dir, match = os.path.dirname(os.path.dirname(path)), IN_WRITE.search(path)
+        if match and fires("save", int(match[1]), run_dir):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if IN_EXPORT.search(path) and RUN["step"] and fires("export", RUN["step"] - 1, run_dir):
             os.kill(os.getpid(), signal.SIGKILL)
         return result
 

@@ -1,0 +1,130 @@
+"""A training checkpoint (`checkpoints/step-N`) or a SHARDED export, as a Transformers directory, without
+training: the layout save_pretrained writes, one output file at a time.
+
+    python scripts/convert_to_hf.py runs/debug_llama/checkpoints/step-200 runs/debug_llama/hf
+    torchrun --nproc_per_node 4 scripts/convert_to_hf.py SRC OUT --max-shard-size 2GB --dtype bfloat16
+
+The story of main(): the model on `meta` from the checkpoint's config.json -> the output files' keys and
+split, as save_pretrained would write them -> for each output file this process owns (file i on rank i mod the
+world size; all of them on one process): DCP reads just its tensors, whole, cast, written -> rank 0 writes
+the index, config and tokenizer, the manifest, and renames the directory into place. A process holds one
+output file's tensors at a time, in the checkpoint's dtype (fp32), so one CPU box converts a 70B model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from common import manifest
+from common.config import ConfigError
+from common.ops.cli import run_cli
+from common.weights import finish_export, prepare_for_generation, save_model_config, saved_keys, write_index
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("src", help="checkpoints/step-N or a SHARDED export (a DCP directory)")
+    parser.add_argument("out", help="the Transformers directory to write (replaced once complete)")
+    parser.add_argument("--max-shard-size", default="5GB", help="save_pretrained's: bytes or '5GB'")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="the output files' dtype")
+    parser.add_argument("--trust-remote-code", action="store_true", help="for a config that ships its code")
+    args = parser.parse_args(argv)
+    for needed in (".metadata", "config.json"):
+        if not os.path.exists(os.path.join(args.src, needed)):
+            raise ConfigError(
+                f"src is {args.src!r}, which has no {needed}; give a checkpoints/step-N or a SHARDED export"
+            )
+    return args
+
+
+def stored_weights(src: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """{name: an empty meta tensor of the checkpoint's shape and dtype} for the model's weights in `src`."""
+    stored = dcp.FileSystemReader(src).read_metadata().state_dict_metadata
+    weights = {k.removeprefix("model."): v for k, v in stored.items() if k.startswith("model.")}
+    ours = model.state_dict()
+    unknown = next((name for name in weights if name not in ours), None)
+    if unknown is not None:  # a LoRA checkpoint holds PEFT's names; its merged export is the run's
+        raise ConfigError(
+            f"src holds {unknown!r}, which the model of its config.json has not (LoRA adapters?); "
+            "export a LoRA run with lora.merge_on_export"
+        )
+    return {n: torch.empty(m.size, dtype=m.properties.dtype, device="meta") for n, m in weights.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    if "RANK" in os.environ:  # under torchrun: the output files are shared out; else one process writes all
+        dist.init_process_group("gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    config = AutoConfig.from_pretrained(args.src, trust_remote_code=args.trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=args.trust_remote_code)
+    stored = stored_weights(args.src, model)
+    keys = saved_keys(model, stored)
+    if keys is None:
+        raise ConfigError(
+            f"src's model ({config.model_type}) has weights Transformers converts as it saves "
+            "(fused experts); export it with the recipe: train.steps=0, model.name_or_path=<a SHARDED export>"
+        )
+    dtype = getattr(torch, args.dtype)
+    layout = {
+        keys[n]: torch.empty(t.shape, dtype=dtype, device="meta") for n, t in stored.items() if n in keys
+    }
+    split = split_torch_state_dict_into_shards(
+        layout, filename_pattern="model{suffix}.safetensors", max_shard_size=args.max_shard_size
+    )
+    tmp = f"{args.out}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    if dist.is_initialized():
+        dist.barrier()
+    ours = {key: name for name, key in keys.items()}
+    written = {}
+    for i, (file, file_keys) in enumerate(sorted(split.filename_to_tensors.items()), 1):
+        if i % world != rank:
+            continue
+        tensors = {
+            ours[k]: torch.empty(stored[ours[k]].shape, dtype=stored[ours[k]].dtype) for k in file_keys
+        }
+        dcp.load({"model": tensors}, checkpoint_id=args.src, no_dist=True)  # just these tensors, whole
+        cast = {k: tensors.pop(ours[k]).to(dtype) for k in file_keys}
+        save_file(cast, os.path.join(tmp, file), metadata={"format": "pt"})  # save_pretrained's header
+        written.update(manifest.describe(tmp, [file]))
+    every = [written]
+    if dist.is_initialized():
+        every = [None] * world
+        dist.all_gather_object(every, written)  # each rank checksummed the files it wrote
+    if rank == 0:
+        if split.is_sharded:
+            write_index(model, tmp, split)
+        tokenizer = AutoTokenizer.from_pretrained(args.src) if has_tokenizer(args.src) else None
+        prepare_for_generation(model, tokenizer, from_scratch=False)
+        save_model_config(model, tmp, tokenizer, dtype)
+        finish_export(tmp, args.out, {n: e for entries in every for n, e in entries.items()})
+        print(f"wrote {args.out}: {len(split.filename_to_tensors)} file(s), {args.dtype}")
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def has_tokenizer(path: str) -> bool:
+    return os.path.exists(os.path.join(path, "tokenizer_config.json"))
+
+
+if __name__ == "__main__":
+    run_cli(main)

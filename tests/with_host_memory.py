@@ -1,0 +1,92 @@
+"""Test-only: a rank's host memory while it loads a new run's weights and while it exports, anonymous and
+file-mapped apart.
+
+    HOST_MEMORY_OUT=runs/x/mem torchrun --nproc_per_node 2 tests/with_host_memory.py scripts/pretrain_fsdp.py
+
+VmHWM counts the pages of a memory-mapped safetensors file that a rank has touched, which are the page cache,
+shared by a node's ranks and dropped under pressure; anonymous memory is what runs a host out of memory. A
+thread polls /proc/self/status while common.weights.load_or_init_weights runs, and while export_full runs,
+and each rank writes {"before": {...}, "peak": {...}} (MiB of RssAnon and RssFile) to
+$HOST_MEMORY_OUT.load.rank<R>.json and $HOST_MEMORY_OUT.export.rank<R>.json. With $EXPORT_ON_RANK0_TOO, the
+model is exported once more there, gathered to rank 0 and saved by it (weights.export_on_rank0), measured as
+$HOST_MEMORY_OUT.export_on_rank0.rank<R>.json. Each record also has the seconds taken and the bytes read
+(/proc/self/io's rchar: read() calls; pages of mapped files show as RssFile). WEIGHTS_IO=rank0 takes the
+path the recipes took before each rank read and wrote its share (benchmarks/weights_io.py): the checkpoint
+whole through from_pretrained (on rank 0 with fsdp.cpu_ram_efficient_loading, else on every rank) and the
+export gathered to rank 0 and saved there. The patches are in place before the script runs. Never imported
+by scripts/ or common/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import threading
+import time
+
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import weights  # noqa: E402
+
+FIELDS = ("RssAnon", "RssFile")
+BEFORE = os.environ.get("WEIGHTS_IO") == "rank0"
+
+
+def resident_mib() -> dict:
+    with open("/proc/self/status") as f:
+        return {
+            line.split(":")[0]: int(line.split()[1]) // 1024 for line in f if line.split(":")[0] in FIELDS
+        }
+
+
+def read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def measure(what: str, call, *args, **kwargs):
+    before, peak, done = resident_mib(), resident_mib(), threading.Event()
+    start, read_before = time.perf_counter(), read_bytes()
+
+    def sample() -> None:
+        now = resident_mib()
+        peak.update({k: max(peak[k], now[k]) for k in FIELDS})
+
+    def poll() -> None:
+        while not done.is_set():
+            sample()
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        return call(*args, **kwargs)
+    finally:
+        done.set()
+        thread.join()
+        # Once more at the end: on a busy machine the polling thread may not have run since the last
+        # shards were filled, and loaded weights stay resident, so the peak is at least this.
+        sample()
+        seconds, read = time.perf_counter() - start, read_bytes() - read_before
+        with open(f"{os.environ['HOST_MEMORY_OUT']}.{what}.rank{dist.get_rank()}.json", "w") as f:
+            json.dump({"before": before, "peak": peak, "seconds": seconds, "read_bytes": read}, f)
+
+
+def load(*args, _original=weights.load_or_init_weights, **kwargs):
+    return measure("load", _original, *args, **kwargs)
+
+
+def export(model, out_dir, *args, _original=weights.export_on_rank0 if BEFORE else weights.export_full):
+    measure("export", _original, model, out_dir, *args)
+    if os.environ.get("EXPORT_ON_RANK0_TOO"):
+        measure("export_on_rank0", weights.export_on_rank0, model, os.environ["EXPORT_ON_RANK0_TOO"], *args)
+
+
+weights.load_or_init_weights, weights.export_full = load, export
+if BEFORE:
+    weights.direct_layout = lambda model, path, ours: ({}, "WEIGHTS_IO=rank0")
+script, sys.argv = sys.argv[1], sys.argv[1:]
+runpy.run_path(script, run_name="__main__")

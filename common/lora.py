@@ -92,16 +92,22 @@ def write_adapters(full: dict, lora: LoraConfig, base_model: str | None, out_dir
     peft_config(lora, base_model).save_pretrained(out_dir)
 
 
-def merged(full: dict, lora: LoraConfig) -> dict:
-    """The base model's weights with every adapter folded in, W + (alpha / r) B A, under the base's names."""
+def merged(state: dict, lora: LoraConfig) -> dict:
+    """The base model's weights with every adapter folded in, W + (alpha / r) B A, under the base's names.
+    Sharded weights stay sharded: the small adapters are gathered (a collective), B A is computed whole and
+    each rank adds its own part to its shard, so the result is bit for bit the merge of the whole weights."""
     out = {}
-    for name, weight in full.items():
+    for name, weight in state.items():
         if ADAPTERS in name:
             continue
         if ".base_layer." in name:
             prefix = name.rsplit(".base_layer.", 1)[0]
-            a, b = full[f"{prefix}.lora_A.default.weight"], full[f"{prefix}.lora_B.default.weight"]
-            weight = (weight.float() + (lora.alpha / lora.r) * (b.float() @ a.float())).to(weight.dtype)
+            a, b = (state[f"{prefix}.lora_{x}.default.weight"] for x in "AB")
+            a, b = ((t.full_tensor() if isinstance(t, DTensor) else t).float() for t in (a, b))
+            delta = (lora.alpha / lora.r) * (b @ a)
+            if isinstance(weight, DTensor):  # this rank's part, sliced here: no communication
+                delta = distribute_tensor(delta, weight.device_mesh, weight.placements, src_data_rank=None)
+            weight = (weight.float() + delta).to(weight.dtype)
         out[base_name(name)] = weight
     return out
 

@@ -150,16 +150,22 @@ def export_final(model: nn.Module, cfg: Config, tokenizer, device_type: str) -> 
     """`<checkpoint.dir>/export`, per fsdp.state_dict_type; returns the path."""
     export_dir = os.path.join(cfg.checkpoint.dir, "export")
     prepare_for_generation(model, tokenizer, from_scratch=not cfg.model.name_or_path)
-    dtype = getattr(
-        torch, cfg.checkpoint.export_dtype or resolve_mixed_precision(cfg.fsdp, device_type)["param_dtype"]
-    )
-    if lora.has_adapters(model):  # small: gathered to rank 0 whatever state_dict_type says
-        export_lora(model, cfg, export_dir, tokenizer, dtype)
-    elif cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
-        export_full(model, export_dir, tokenizer, dtype, cfg.checkpoint.max_shard_size)
+    dtype = export_dtype(cfg, device_type)
+    adapters = lora.has_adapters(model)
+    if adapters and not cfg.lora.merge_on_export:  # small: gathered to rank 0 whatever state_dict_type says
+        export_adapters(model, cfg, export_dir, tokenizer)
+    elif adapters or cfg.fsdp.state_dict_type == "FULL_STATE_DICT":  # with LoRA: the merged model
+        export_full(model, export_dir, tokenizer, dtype, cfg)
     else:
         export_sharded(model, export_dir, tokenizer)
     return export_dir
+
+
+def export_dtype(cfg: Config, device_type: str) -> torch.dtype:
+    """checkpoint.export_dtype; by default the compute dtype (bf16 on CUDA unless the config says so)."""
+    return getattr(
+        torch, cfg.checkpoint.export_dtype or resolve_mixed_precision(cfg.fsdp, device_type)["param_dtype"]
+    )
 
 
 def prepare_for_generation(model: nn.Module, tokenizer, from_scratch: bool) -> None:
@@ -172,25 +178,26 @@ def prepare_for_generation(model: nn.Module, tokenizer, from_scratch: bool) -> N
         setattr(model.generation_config, name, getattr(tokenizer, name))
 
 
-def export_full(
-    model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype, max_shard_size: str | int
-) -> None:
-    """save_pretrained's layout, every rank writing its part: DCP writes each rank's own shards, cast to
-    `dtype`, to part files; then rank r assembles output files r, r + world, ... from them (torch's
-    consolidation), so no rank holds more than its share plus one tensor. A model whose weights Transformers
-    converts back as it saves (per-expert weights it fused on load) is gathered to rank 0 and saved there."""
+def export_full(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype, cfg: Config) -> None:
+    """save_pretrained's layout, split at checkpoint.max_shard_size, every rank writing its part: DCP writes
+    each rank's own shards, cast to `dtype`, to part files; then rank r assembles output files r, r + world,
+    ... from them (torch's consolidation), so no rank holds more than its share plus one tensor. LoRA
+    adapters, if any, are merged into each rank's shards first. A model whose weights Transformers converts
+    back as it saves (per-expert weights it fused on load) is gathered to rank 0 and saved there."""
     state = get_model_state_dict(model)
-    keys = saved_keys(model, state)
+    keys = saved_keys(model, {lora.base_name(n): t for n, t in state.items() if lora.ADAPTERS not in n})
     if keys is None:
-        export_on_rank0(model, out_dir, tokenizer, dtype, max_shard_size)
+        export_on_rank0(model, out_dir, tokenizer, dtype, cfg)
         return
+    if lora.has_adapters(model):
+        state = lora.merged(state, cfg.lora)  # under the base model's names, still sharded
     tmp, parts = f"{out_dir}.tmp", os.path.join(f"{out_dir}.tmp", "parts")
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
     state = {keys[name]: t.to(dtype) for name, t in state.items() if name in keys}  # .to: each rank's shards
     split = split_torch_state_dict_into_shards(
-        state, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size
+        state, filename_pattern="model{suffix}.safetensors", max_shard_size=cfg.checkpoint.max_shard_size
     )
     order = sorted(split.filename_to_tensors)
     file_of = {key: order.index(file) + 1 for key, file in split.tensor_to_filename.items()}
@@ -239,38 +246,32 @@ def write_index(model: nn.Module, out_dir: str, split) -> None:
         f.write(json.dumps(content, indent=2, sort_keys=True) + "\n")
 
 
-def export_on_rank0(
-    model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype, max_shard_size: str | int
-) -> None:
+def export_on_rank0(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype, cfg: Config) -> None:
     # Gathered to rank 0 on CPU one tensor at a time, so no GPU ever holds the whole model.
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         tmp = f"{out_dir}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
+        if lora.has_adapters(model):
+            state = lora.merged(state, cfg.lora)
         state = {k: v.to(dtype) for k, v in state.items()}
-        write_hf_directory(model, tmp, state, tokenizer, dtype, max_shard_size)
+        write_hf_directory(model, tmp, state, tokenizer, dtype, cfg.checkpoint.max_shard_size)
         finish_export(tmp, out_dir)
     dist.barrier()
 
 
-def export_lora(model: nn.Module, cfg: Config, out_dir: str, tokenizer, dtype: torch.dtype) -> None:
-    """PEFT's adapter directory (fp32 adapters), or with lora.merge_on_export the merged model, each with the
-    tokenizer and generation config. The adapters are gathered from every rank's shards (accelerate#4206
-    lost all but rank 0's on a FULL_STATE_DICT resume)."""
-    merge = cfg.lora.merge_on_export
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=not merge)
+def export_adapters(model: nn.Module, cfg: Config, out_dir: str, tokenizer) -> None:
+    """PEFT's adapter directory (fp32 adapters), with the tokenizer and generation config. The adapters are
+    gathered from every rank's shards (accelerate#4206 lost all but rank 0's on a FULL_STATE_DICT resume)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     full = get_model_state_dict(model, options=options)
     if dist.get_rank() == 0:
         tmp = f"{out_dir}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        if merge:
-            merged = {k: v.to(dtype) for k, v in lora.merged(full, cfg.lora).items()}
-            write_hf_directory(model, tmp, merged, tokenizer, dtype, cfg.checkpoint.max_shard_size)
-        else:
-            os.makedirs(tmp)
-            lora.write_adapters(full, cfg.lora, cfg.model.name_or_path, tmp)
-            save_config(tmp, model.generation_config, tokenizer)
-            plain_modes(tmp)
+        os.makedirs(tmp)
+        lora.write_adapters(full, cfg.lora, cfg.model.name_or_path, tmp)
+        save_config(tmp, model.generation_config, tokenizer)
+        plain_modes(tmp)
         finish_export(tmp, out_dir)
     dist.barrier()
 

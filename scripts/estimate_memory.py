@@ -24,6 +24,9 @@ Planning for a GPU on a CPU (--device cuda, the default):
 - fsdp.activation_checkpointing_offload: each checkpointed layer's input leaves device memory until backward
   copies it back (HostCopies below); host memory is not counted.
 - Gradient clipping and the loss's host reads (.item()) are left out: they hold a few scalars per tensor.
+- Host RAM per rank and per node (--procs-per-node): at load, in training, at a checkpoint and at export,
+  from each rank's shards and the paths common/weights.py and DCP take (host_plan), plus --host-reserve-gib
+  a process (docs/memory.md#host-memory).
 - MoE: tokens are routed evenly (fake tensors have no values to route by); a skewed router sends some ranks
   more. The held-out evaluation before training is not planned.
 """
@@ -37,6 +40,7 @@ import json
 import math
 import os
 import sys
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
@@ -60,6 +64,7 @@ from common.ops.config_sources import apply_override, load_config
 from common.ops.metrics import GIB, CommCounter, sharded_state_bytes
 from common.optim import build_optimizer
 from common.tp import apply_tp
+from common.weights import export_dtype, saved_keys
 from common.wrap import apply_fsdp
 from fake_run_patches import (  # beside this script
     grouped_mm_in_float32,
@@ -74,6 +79,9 @@ SCRIPTS_OF = {"pretrain": "pretrain_fsdp", "eval": "eval_cp", "moe": "finetune_m
 # Architecture-only copies of the hub configs the shipped configs name, so planning needs no network.
 HUB_CONFIGS = os.path.join(os.path.dirname(SCRIPTS), "configs", "hub")
 
+# A rank's process before it loads any weights: torch, Transformers, the data. Measured on CPU ranks
+# (docs/memory.md#host-memory); a CUDA process also maps its libraries and holds its context.
+HOST_RESERVE_GIB = 1.0
 # FSDPMemTracker's categories, grouped as the report shows them.
 CATEGORIES = {
     "parameters": ["Sharded Param"],
@@ -86,14 +94,22 @@ CATEGORIES = {
 
 class HostCopies(torch.autograd.graph.saved_tensors_hooks):
     """What torch's offload_wrapper (fsdp.activation_checkpointing_offload) does on a GPU, as the tracker
-    must see it: save_on_cpu moves each checkpointed layer's input to host memory, which is not counted, and
-    backward copies it back into a new device tensor. Here every tensor is on the CPU and the copy would be
-    counted, so only the shape is kept (fake tensors hold no data)."""
+    must see it: save_on_cpu moves each checkpointed layer's input to host memory, which the tracker does not
+    count, and backward copies it back into a new device tensor. Here every tensor is on the CPU and the copy
+    would be counted, so only the shape is kept (fake tensors hold no data); `held` counts the bytes the
+    host holds, now and at most."""
 
-    def __init__(self, pin_memory: bool = False, device_type: str = "cuda") -> None:
-        super().__init__(
-            lambda tensor: (tensor.shape, tensor.dtype), lambda kept: torch.empty(kept[0], dtype=kept[1])
-        )
+    def __init__(self, held: dict, pin_memory: bool = False, device_type: str = "cuda") -> None:
+        def pack(tensor: torch.Tensor) -> tuple:
+            held["now"] += tensor.nbytes
+            held["peak"] = max(held["peak"], held["now"])
+            return tensor.shape, tensor.dtype, tensor.nbytes
+
+        def unpack(kept: tuple) -> torch.Tensor:
+            held["now"] -= kept[2]
+            return torch.empty(kept[0], dtype=kept[1])
+
+        super().__init__(pack, unpack)
 
 
 def load_script(name: str):
@@ -196,7 +212,8 @@ def measure(cfg: Config, recipe: str, world_size: int, device_type: str) -> dict
     """One fake run of `recipe` on rank 0 of `world_size`: peak bytes by category, state bytes, comm."""
     cfg = copy.deepcopy(cfg)  # the check below may set model.attn_implementation
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    device = torch.device("cpu")
+    device, offloaded = torch.device("cpu"), {"now": 0, "peak": 0}
+    ac_wrappers.save_on_cpu = partial(HostCopies, offloaded)  # what offload_wrapper's forward enters
     try:
         built = shard_on_meta(cfg, recipe, world_size, device_type)
         script, model, micro_batch = built["script"], built["model"], built["micro_batch"]
@@ -240,6 +257,7 @@ def measure(cfg: Config, recipe: str, world_size: int, device_type: str) -> dict
                 "accumulation": accumulation,
                 "state": state,
                 "comm_bytes_per_step": comm_per_step(comm.counts, accumulation, cfg.train.sync_each_batch),
+                "host_copies_bytes": offloaded["peak"],
             }
     finally:
         dist.destroy_process_group()
@@ -291,22 +309,80 @@ def eval_step(model, batch, cp_state, cfg: Config) -> None:
     score_shard(model, batch, torch.device("cpu"), cp_state, "allgather", cfg.eval.loss_chunk_tokens)
 
 
-def per_rank_state_bytes(cfg: Config, recipe: str, world_size: int, device_type: str) -> list[dict]:
-    """Every rank's parameter and optimizer bytes: the model sharded on `meta` as each rank would hold
-    it. AdamW keeps two states the shape of each trained parameter (checked on rank 0 against the real
-    state); a frozen LoRA base has none."""
+def per_rank_shards(cfg: Config, recipe: str, world_size: int, device_type: str) -> list[dict]:
+    """Every rank's parameter, trained-parameter (= gradient) and optimizer bytes, and its parameters'
+    elements: the model sharded on `meta` as each rank would hold it. AdamW keeps two states the shape of
+    each trained parameter (checked on rank 0 against the real state); a frozen LoRA base has none. Rank 0's
+    also has the whole model's bytes, and whether Transformers converts its weights as it saves them."""
     out = []
     for rank in range(world_size):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
         try:
             model = shard_on_meta(copy.deepcopy(cfg), recipe, world_size, device_type)["model"]
             local = [(p.to_local(), p.requires_grad) for p in model.parameters()]
-            params = sum(t.numel() * t.element_size() for t, _ in local)
             trained = sum(t.numel() * t.element_size() for t, trains in local if trains)
-            out.append({"param_bytes": params, "optimizer_bytes": 2 * trained if recipe != "eval" else 0})
+            out.append(
+                {
+                    "param_bytes": sum(t.numel() * t.element_size() for t, _ in local),
+                    "optimizer_bytes": 2 * trained if recipe != "eval" else 0,
+                    "trained_bytes": trained,
+                    "numel": sum(t.numel() for t, _ in local),
+                }
+            )
+            if rank == 0:
+                out[0]["model_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+                out[0]["model_numel"] = sum(p.numel() for p in model.parameters())
+                base = {lora.base_name(n): t for n, t in model.state_dict().items() if lora.ADAPTERS not in n}
+                out[0]["converted"] = saved_keys(model, base) is None
         finally:
             dist.destroy_process_group()
     return out
+
+
+def host_plan(cfg: Config, recipe: str, device_type: str, shards: list[dict], training: dict) -> dict:
+    """Each rank's host memory above what its process holds before it loads the weights, in bytes, at load,
+    in training, at a checkpoint and at export: what common/weights.py, DCP and FSDP's offload put on the
+    host (docs/memory.md#host-memory). `training`: rank 0's measured peak and host copies. Pages of the
+    files read and written are the page cache, the kernel's to drop, and not counted."""
+    fsdp, c, trains = cfg.fsdp, cfg.checkpoint, recipe != "eval"
+    on_host = device_type == "cpu" or fsdp.cpu_offload  # where the sharded parameters and their state live
+    state = [s["param_bytes"] + s["trained_bytes"] + s["optimizer_bytes"] for s in shards]  # + gradients
+    # Every tensor of a CPU run: rank 0's measured peak, less its state, plus each rank's (cpu_offload: the
+    # peak counts no state). On a GPU, the activations' host copies (activation_checkpointing_offload).
+    device_part = training["peak"] - (0 if fsdp.cpu_offload else state[0]) if device_type == "cpu" else 0
+    plan = {"load": [], "training": [], "checkpoint": [], "export": []}
+    for rank, s in enumerate(shards):
+        kept = s["param_bytes"] + s["optimizer_bytes"] if on_host else 0  # gradients are freed after a step
+        # DCP's HF reader copies each slice from the mapped file straight into the rank's own tensors;
+        # from_pretrained, for weights Transformers converts as it loads, holds the whole model in fp32.
+        whole = shards[0]["converted"] and (rank == 0 or not fsdp.cpu_ram_efficient_loading)
+        read = 4 * shards[0]["model_numel"] if cfg.model.name_or_path and whole else 0
+        plan["load"].append((s["param_bytes"] if on_host else 0) + read)
+        plan["training"].append(device_part + (state[rank] if on_host else 0) + training["host_copies_bytes"])
+        # DCP copies each tensor of a file to the host and holds it until the file is written (async_save:
+        # all of them, into its staging buffers); a LoRA checkpoint holds the adapters.
+        copies = s["trained_bytes"] + s["optimizer_bytes"] if c.async_save or not on_host else 0
+        plan["checkpoint"].append(kept + copies if trains else 0)
+        exported = export_bytes(cfg, rank, s, shards[0], on_host, export_dtype(cfg, device_type).itemsize)
+        plan["export"].append(kept + exported if trains and c.export else 0)
+    return plan
+
+
+def export_bytes(cfg: Config, rank: int, s: dict, first: dict, on_host: bool, out_bytes: int) -> int:
+    """What common/weights.py's export holds on a rank's host besides the trained state; `first`: rank 0's
+    shards, with the whole model's figures."""
+    if cfg.lora.r and not cfg.lora.merge_on_export:
+        return 0  # the adapters, gathered: small
+    full = cfg.lora.r or cfg.fsdp.state_dict_type == "FULL_STATE_DICT"  # with LoRA: the merged model
+    if full and first["converted"]:
+        # Gathered to rank 0 (export_on_rank0), then cast to the export dtype.
+        return first["model_bytes"] + first["model_numel"] * out_bytes if rank == 0 else 0
+    if full:
+        # DCP's writer holds each part file's tensors on the host (copies from a GPU, casts, or the merged
+        # LoRA weights) and the file's bytes; the output files are then assembled through mmap (page cache).
+        part = s["numel"] * out_bytes
+        return part if on_host and part == s["param_bytes"] and not cfg.lora.r else 2 * part
+    return 0 if on_host else s["param_bytes"]  # SHARDED: DCP's host copies of the rank's shards
 
 
 def estimate(cfg: Config, recipe: str, world_size: int, device_type: str, budget_gib: float, quick: bool):
@@ -357,6 +433,36 @@ def advice(cfg: Config, recipe: str, world_size: int, device_type: str, budget_g
     return out
 
 
+def host_report(plan: dict, args: argparse.Namespace) -> dict:
+    """The plan's peak per rank and per node (the node whose ranks together hold the most), the reserve of
+    each process added, and the phases' figures."""
+    reserve, per_node = args.host_reserve_gib * GIB, args.procs_per_node
+    nodes = range(0, args.world_size, per_node)
+    node = {phase: max(sum(ranks[n : n + per_node]) for n in nodes) for phase, ranks in plan.items()}
+    procs = min(per_node, args.world_size)
+    return {
+        "reserve_gib": args.host_reserve_gib,
+        "procs_per_node": per_node,
+        "peak_gib_per_rank": (max(max(ranks) for ranks in plan.values()) + reserve) / GIB,
+        "peak_gib_per_node": (max(node.values()) + procs * reserve) / GIB,
+        "rank0_bytes": {phase: ranks[0] for phase, ranks in plan.items()},
+        "bytes_per_rank": plan,
+        "node_bytes": node,
+    }
+
+
+def host_rows(host: dict) -> list[tuple[str, str]]:
+    gib = lambda n: f"{n / GIB:.2f}"  # noqa: E731
+    rank0, node = host["rank0_bytes"], host["node_bytes"]
+    phases = " / ".join(gib(rank0[phase]) for phase in rank0)
+    return [
+        ("host RAM per rank, GiB", f"{host['peak_gib_per_rank']:.2f} (with {host['reserve_gib']} reserve)"),
+        ("  load / training / checkpoint / export, GiB", phases),
+        (f"host RAM per node ({host['procs_per_node']} ranks), GiB", f"{host['peak_gib_per_node']:.2f}"),
+        ("  load / training / checkpoint / export, GiB", " / ".join(gib(node[phase]) for phase in node)),
+    ]
+
+
 def table(report: dict) -> str:
     gib = lambda n: f"{n / GIB:.2f}"  # noqa: E731
     largest = report["max_micro_batch_size"]
@@ -369,6 +475,7 @@ def table(report: dict) -> str:
         *((f"  {name}, GiB", gib(report["breakdown_bytes"][name])) for name in report["breakdown_bytes"]),
         ("GPU memory, GiB", f"{report['gpu_memory_gib']}"),
         ("fits / headroom, GiB", f"{'yes' if report['fits'] else 'NO'} / {report['headroom_gib']:.2f}"),
+        *host_rows(report["host"]),
         ("largest micro-batch that fits", "not measured (--quick)" if largest is None else largest),
         (
             "param / grad / optimizer bytes per rank",
@@ -407,6 +514,10 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
     parser.add_argument("--reserve-gib", type=float, default=3.0, help="CUDA context, NCCL, fragmentation")
     parser.add_argument("--recipe", choices=["auto", "pretrain", "eval", "moe"], default="auto")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="the run to plan for")
+    parser.add_argument("--procs-per-node", type=int, default=8, help="ranks a node's host memory serves")
+    parser.add_argument(
+        "--host-reserve-gib", type=float, default=HOST_RESERVE_GIB, help="a rank's process before it loads"
+    )
     parser.add_argument("--json", action="store_true", help="also print one JSON object on stdout")
     parser.add_argument(
         "--quick", action="store_true", help="one measurement: no largest micro-batch, no alternatives"
@@ -415,6 +526,10 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
     args = parser.parse_args(argv)
     if args.world_size < 1:
         raise ConfigError(f"--world-size is {args.world_size}; give the number of GPUs, at least 1")
+    if args.procs_per_node < 1:
+        raise ConfigError(
+            f"--procs-per-node is {args.procs_per_node}; give the ranks a node runs, at least 1"
+        )
     return args, load_config(args.config, args.overrides)
 
 
@@ -424,12 +539,12 @@ def main(argv: list[str] | None = None) -> None:
     recipe = pick_recipe(args.recipe, args.config, cfg, load_model_config(cfg.model))
     cfg.train.compile = False
     isolate_sharding_propagation()
-    ac_wrappers.save_on_cpu = HostCopies  # what offload_wrapper's forward enters, looked up at each call
     route_tokens_evenly()
     grouped_mm_in_float32()
     budget = args.gpu_memory_gib - args.reserve_gib
     result = estimate(cfg, recipe, args.world_size, args.device, budget, args.quick)
-    states = per_rank_state_bytes(cfg, recipe, args.world_size, args.device)
+    shards = per_rank_shards(cfg, recipe, args.world_size, args.device)
+    states = [{"param_bytes": s["param_bytes"], "optimizer_bytes": s["optimizer_bytes"]} for s in shards]
     if result["state"] and result["state"] != states[0]:
         raise SystemExit(f"estimate_memory: rank 0's state {result['state']} != {states[0]} (a bug here)")
     peak = result["peak"] / GIB
@@ -449,6 +564,7 @@ def main(argv: list[str] | None = None) -> None:
         "params_kept_after_forward": result["params_kept_after_forward"],
         "params": result["params"],
         "comm_bytes_per_step": result["comm_bytes_per_step"],
+        "host": host_report(host_plan(cfg, recipe, args.device, shards, result), args),
     }
     if not report["fits"] and not args.quick:
         report["alternatives"] = advice(cfg, recipe, args.world_size, args.device, budget, result)

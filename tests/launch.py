@@ -118,6 +118,26 @@ def write_short_documents(path, seed: int = 0) -> str:
     return str(path)
 
 
+def save_hf_llama(path, hidden_size: int, intermediate_size: int):
+    """A random 6-layer Llama with a 4096-token vocabulary, as save_pretrained writes it: an HF checkpoint
+    large enough for a memory figure to stand out."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
 def estimate(config: str, world: int, *overrides: str, device: str = "cpu", quick: bool = False) -> dict:
     """The planner's report. `quick`: the peak and the state bytes only, without its search (the largest
     micro-batch, the alternatives), which tests/test_estimate_at_scale.py covers."""

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from launch import REPO, estimate, event, losses, read_metrics, run, run_command, torchrun
+from launch import REPO, estimate, event, losses, read_metrics, run, run_command, save_hf_llama, torchrun
 
 DEBUG = os.path.join(REPO, "configs", "debug_llama.json")
 DEBUG_MOE = os.path.join(REPO, "configs", "debug_moe.json")
@@ -126,6 +126,71 @@ def test_a_change_moves_the_estimate_like_the_real_run(tmp_path, wide, change):
         budget = ["--gpu-memory-gib", str(real_changed / 2**30 + 3), "--reserve-gib", "3"]
         largest = estimate(config, 2, *budget)["max_micro_batch_size"]
         assert 6 <= largest <= 10, f"largest micro-batch {largest} for the real peak at 8"
+
+
+PHASES = ("load", "train", "export")  # tests/with_host_memory.py's windows
+
+
+@pytest.fixture(scope="module")
+def llama_63m(tmp_path_factory) -> str:
+    """A 63M-parameter Llama (252 MB fp32): its shards stand far above what a process's own memory moves."""
+    return str(save_hf_llama(tmp_path_factory.mktemp("llama_63m"), hidden_size=768, intermediate_size=3072))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_host_plan_matches_measured_memory(tmp_path, llama_63m, world):
+    """The planner's host memory for a CPU run, each rank's above its process's own before the load, against
+    the real run's (tests/with_host_memory.py), within 15%, rank by rank: at load (its share), in training
+    (every tensor, and the checkpoint of the last step) and at the FULL export (the trained state, and the
+    part file DCP's writer serializes)."""
+    overrides = [
+        f"model.name_or_path={llama_63m}",
+        "model.config={}",
+        "data.seq_len=128",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=1",
+        "fsdp.state_dict_type=FULL_STATE_DICT",
+        "checkpoint.export=true",
+        f"checkpoint.dir={tmp_path / 'run'}",
+    ]
+    out = tmp_path / "memory"
+    run(
+        "pretrain_fsdp.py",
+        ["--config", DEBUG, *overrides, "train.steps=2"],
+        nproc=world,
+        extra_env={"MALLOC_MMAP_THRESHOLD_": "131072", "HOST_MEMORY_OUT": str(out)},
+        wrapper="with_host_memory.py",
+    )
+    plan = estimate(DEBUG, world, *overrides, quick=True)["host"]["bytes_per_rank"]
+    for rank in range(world):
+        load, training, export = (json.load(open(f"{out}.{what}.rank{rank}.json")) for what in PHASES)
+        before = load["before"]  # MiB
+        measured = {
+            "load": load["peak"]["RssAnon"] - before["RssAnon"],
+            # the kernel's high-water mark: anonymous and file pages, the latter unchanged since the load
+            "train": training["peak"]["Rss"] - before["RssAnon"] - before["RssFile"],
+            "export": export["peak"]["RssAnon"] - before["RssAnon"],
+        }
+        planned = {
+            "load": plan["load"][rank],
+            "train": max(plan["training"][rank], plan["checkpoint"][rank]),
+            "export": plan["export"][rank],
+        }
+        for phase in PHASES:
+            ratio = planned[phase] / 2**20 / measured[phase]
+            print(f"world {world} rank {rank} {phase}: {measured[phase]} MiB, planned / measured {ratio:.3f}")
+            assert 0.85 <= ratio <= 1.15, (world, rank, phase, measured[phase], planned[phase] / 2**20)
+
+
+def test_host_plan_counts_the_offloaded_layer_inputs():
+    """fsdp.activation_checkpointing_offload on a GPU: in training the host holds each checkpointed layer's
+    input until backward, the hidden states in bf16: layers x micro-batch x sequence x width x 2 bytes."""
+    offload = ["fsdp.activation_checkpointing=true", "fsdp.activation_checkpointing_offload=true"]
+    host = estimate(DEBUG, 2, *offload, device="cuda", quick=True)["host"]["rank0_bytes"]
+    model, data, train = (json.load(open(DEBUG))[key] for key in ("model", "data", "train"))
+    layers, width = model["config"]["num_hidden_layers"], model["config"]["hidden_size"]
+    assert host["training"] == layers * train["micro_batch_size"] * data["seq_len"] * width * 2
+    assert host["load"] == 0  # the weights go straight to the GPU
 
 
 AC = "fsdp.activation_checkpointing=true"

@@ -3,15 +3,17 @@
 import glob
 import json
 import os
+import sys
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from common.config import DataConfig
 from common.data.batches import LocalBatches, load_tokenizer, prepare_local_data
-from launch import REPO, TINY, event, pretrain, run
+from launch import REPO, TINY, event, pretrain, run, run_command, save_hf_llama
 
 INDEX = "model.safetensors.index.json"
 
@@ -112,19 +114,7 @@ def test_sharded_export_is_one_file_per_rank_and_reloads_exactly_on_another_worl
 @pytest.fixture(scope="module")
 def big_hf_checkpoint(tmp_path_factory):
     """About 100M parameters (400 MB fp32): large enough that a full copy shows up in a rank's peak RSS."""
-    path = tmp_path_factory.mktemp("hf_llama")
-    config = LlamaConfig(
-        vocab_size=4096,
-        hidden_size=1024,
-        intermediate_size=4096,
-        num_hidden_layers=6,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return save_hf_llama(tmp_path_factory.mktemp("hf_llama"), hidden_size=1024, intermediate_size=4096)
 
 
 def test_each_rank_reads_and_writes_its_share_of_an_hf_checkpoint(tmp_path, big_hf_checkpoint):
@@ -170,6 +160,41 @@ def test_each_rank_reads_and_writes_its_share_of_an_hf_checkpoint(tmp_path, big_
     assert assert_same_weights(tmp_path / "false" / "export", tmp_path / "export-on-rank0") == 5
 
 
+def test_every_rank_writes_its_part_of_the_merged_lora_export(tmp_path, big_hf_checkpoint):
+    """lora.merge_on_export: each rank folds the adapters into its own shards and writes its part, bit for bit
+    the merge rank 0 makes of the gathered model (which holds the whole of it: the contrast), with no rank's
+    memory rising by more than twice its share (the merged shards, the part file's bytes) plus 16 MiB."""
+    share_mib = 100e6 * 4 / 2 / 2**20
+    out = tmp_path / "mem"
+    pretrain(
+        tmp_path / "lora",
+        "train.steps=1",
+        f"model.name_or_path={big_hf_checkpoint}",
+        "model.config={}",
+        "lora.r=8",
+        "lora.alpha=16",
+        "lora.merge_on_export=true",
+        "checkpoint.max_shard_size=100MB",
+        extra_env={
+            "MALLOC_MMAP_THRESHOLD_": "131072",
+            "HOST_MEMORY_OUT": str(out),
+            "EXPORT_ON_RANK0_TOO": str(tmp_path / "merged-on-rank0"),
+        },
+        wrapper="with_host_memory.py",
+    )
+    assert assert_same_weights(tmp_path / "lora" / "export", tmp_path / "merged-on-rank0") == 5
+    for rank in (0, 1):
+        rise = anonymous_rise(f"{out}.export.rank{rank}.json")
+        assert rise <= 2 * share_mib + 16, (rank, rise)
+    assert anonymous_rise(f"{out}.export_on_rank0.rank0.json") > 2 * share_mib
+    base = LlamaForCausalLM.from_pretrained(big_hf_checkpoint).state_dict()
+    merged = LlamaForCausalLM.from_pretrained(tmp_path / "lora" / "export").state_dict()
+    assert merged.keys() == base.keys()
+    assert not torch.equal(
+        merged["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"]
+    )
+
+
 def assert_same_weights(ours, theirs) -> int:
     """The same safetensors files, index and tensors, bit for bit; returns how many files."""
     files = sorted(name for name in os.listdir(ours) if name.endswith(".safetensors"))
@@ -188,6 +213,80 @@ def anonymous_rise(path: str) -> float:
     with open(path) as f:
         memory = json.load(f)
     return memory["peak"]["RssAnon"] - memory["before"]["RssAnon"]
+
+
+# Run a script with its peak resident memory over its memory at its first dcp.load printed last (MiB): the
+# kernel's high-water mark, reset there through /proc/self/clear_refs.
+PEAK_OVER_FIRST_LOAD = """
+import json, runpy, sys
+import torch.distributed.checkpoint as dcp
+
+def vm():
+    with open("/proc/self/status") as f:
+        return {line.split(":")[0]: int(line.split()[1]) // 1024 for line in f if line.startswith("Vm")}
+
+first, load = [], dcp.load
+
+def first_load(*args, **kwargs):
+    if not first:
+        open("/proc/self/clear_refs", "w").write("5")
+        first.append(vm()["VmRSS"])
+    return load(*args, **kwargs)
+
+dcp.load, script, sys.argv = first_load, sys.argv[1], sys.argv[1:]
+runpy.run_path(script, run_name="__main__")
+print(json.dumps({"rise_mib": vm()["VmHWM"] - first[0]}))
+"""
+
+
+def test_one_process_converts_one_output_file_at_a_time(tmp_path, big_hf_checkpoint):
+    """A 400 MB fp32 checkpoint into files of at most 20 MB: the converter's memory rises by at most three
+    output files' worth (the tensors read, DCP's read buffers, safetensors' bytes), not by the model; the
+    files hold the checkpoint's tensors. A fused-expert model and a LoRA checkpoint are refused in one
+    line."""
+    src = tmp_path / "sharded"
+    model = LlamaForCausalLM.from_pretrained(big_hf_checkpoint)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=src, no_dist=True)  # a SHARDED export's layout
+    model.config.save_pretrained(src)
+    script = os.path.join(REPO, "scripts", "convert_to_hf.py")
+    cmd = [sys.executable, "-c", PEAK_OVER_FIRST_LOAD, script, str(src), str(tmp_path / "hf")]
+    # glibc's default would keep the freed 16 MB buffers in its heap, as in the other memory tests
+    done = run_command([*cmd, "--max-shard-size=20MB"], extra_env={"MALLOC_MMAP_THRESHOLD_": "131072"})
+    rise = json.loads(done.stdout.splitlines()[-1])["rise_mib"]
+    largest_file_mib = (
+        max(os.path.getsize(f) for f in glob.glob(str(tmp_path / "hf" / "*.safetensors"))) / 2**20
+    )
+    print(f"converter: {rise} MiB over its start; largest output file {largest_file_mib:.1f} MiB")
+    assert rise <= 3 * largest_file_mib + 16 < 400e6 / 2**20 / 2, (rise, largest_file_mib)
+    assert len(glob.glob(str(tmp_path / "hf" / "*.safetensors"))) > 10
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert all(torch.equal(converted.state_dict()[k], v) for k, v in model.state_dict().items())
+
+    refusals = {
+        "lora": ("model.layers.0.self_attn.q_proj.lora_A.default.weight", "LoRA adapters?"),
+        "moe": (None, "fused experts"),
+    }
+    for name, (extra_key, words) in refusals.items():
+        config = LlamaConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+        )
+        if name == "moe":
+            config = AutoConfig.for_model(
+                "qwen3_moe", vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=32,
+                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, num_experts=2,
+                num_experts_per_tok=1,
+            )  # fmt: skip
+        state = AutoModelForCausalLM.from_config(config).state_dict()
+        if extra_key:
+            state[extra_key] = torch.zeros(4, 16)
+        dcp.save({"model": state}, checkpoint_id=tmp_path / name, no_dist=True)
+        config.save_pretrained(tmp_path / name)
+        refused = run(
+            "convert_to_hf.py", [str(tmp_path / name), str(tmp_path / f"{name}-hf")], nproc=0, check=False
+        )
+        lines = refused.stderr.strip().splitlines()
+        assert refused.returncode == 2 and len(lines) == 1 and words in lines[0], refused.stderr
+        assert not os.path.exists(tmp_path / f"{name}-hf.tmp") and not os.path.exists(tmp_path / f"{name}-hf")
 
 
 def test_a_checkpoint_transformers_converts_loads_whole_on_rank0_with_cpu_ram_efficient_loading(tmp_path):

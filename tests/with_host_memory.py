@@ -5,20 +5,26 @@ file-mapped apart.
 
 VmHWM counts the pages of a memory-mapped safetensors file that a rank has touched, which are the page cache,
 shared by a node's ranks and dropped under pressure; anonymous memory is what runs a host out of memory. A
-thread polls /proc/self/status while common.weights.load_or_init_weights runs, and while export_full runs,
-and each rank writes {"before": {...}, "peak": {...}} (MiB of RssAnon and RssFile) to
-$HOST_MEMORY_OUT.load.rank<R>.json and $HOST_MEMORY_OUT.export.rank<R>.json. With $EXPORT_ON_RANK0_TOO, the
-model is exported once more there, gathered to rank 0 and saved by it (weights.export_on_rank0), measured as
-$HOST_MEMORY_OUT.export_on_rank0.rank<R>.json. Each record also has the seconds taken and the bytes read
-(/proc/self/io's rchar: read() calls; pages of mapped files show as RssFile). WEIGHTS_IO=rank0 takes the
-path the recipes took before each rank read and wrote its share (benchmarks/weights_io.py): the checkpoint
-whole through from_pretrained (on rank 0 with fsdp.cpu_ram_efficient_loading, else on every rank) and the
-export gathered to rank 0 and saved there. The patches are in place before the script runs. Never imported
-by scripts/ or common/.
+thread polls /proc/self/status while common.weights.load_or_init_weights runs, and while export_full runs
+(sampling once more each time DCP's writer has serialized a part file, the export's peak, which a poll could
+miss), and each rank writes {"before": {...}, "peak": {...}} (MiB of RssAnon and RssFile) to
+$HOST_MEMORY_OUT.load.rank<R>.json and $HOST_MEMORY_OUT.export.rank<R>.json. From the load's end to the
+export's start (training, its checkpoints, the final loss), the kernel's own high-water mark is read instead
+(VmHWM, reset through /proc/self/clear_refs as the window opens): no poll can miss a peak there, and no
+safetensors file is mapped then, so it rises with anonymous memory only. It goes to
+$HOST_MEMORY_OUT.train.rank<R>.json as {"before": {"Rss": ...}, "peak": {"Rss": ...}}. With
+$EXPORT_ON_RANK0_TOO, the model is exported once more there, gathered to rank 0 and saved by it
+(weights.export_on_rank0), measured as $HOST_MEMORY_OUT.export_on_rank0.rank<R>.json. Each record also has the
+seconds taken and the bytes read (/proc/self/io's rchar: read() calls; pages of mapped files show as RssFile).
+WEIGHTS_IO=rank0 takes the path the recipes took before each rank read and wrote its share
+(benchmarks/weights_io.py): the checkpoint whole through from_pretrained (on rank 0 with
+fsdp.cpu_ram_efficient_loading, else on every rank) and the export gathered to rank 0 and saved there. The
+patches are in place before the script runs. Never imported by scripts/ or common/.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import runpy
@@ -26,6 +32,7 @@ import sys
 import threading
 import time
 
+import safetensors.torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -33,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import weights  # noqa: E402
 
 FIELDS = ("RssAnon", "RssFile")
+SAMPLERS = []  # the open measurement's sample(), for the hook below
 BEFORE = os.environ.get("WEIGHTS_IO") == "rank0"
 
 
@@ -62,9 +70,11 @@ def measure(what: str, call, *args, **kwargs):
 
     thread = threading.Thread(target=poll, daemon=True)
     thread.start()
+    SAMPLERS.append(sample)
     try:
         return call(*args, **kwargs)
     finally:
+        SAMPLERS.remove(sample)
         done.set()
         thread.join()
         # Once more at the end: on a busy machine the polling thread may not have run since the last
@@ -75,17 +85,57 @@ def measure(what: str, call, *args, **kwargs):
             json.dump({"before": before, "peak": peak, "seconds": seconds, "read_bytes": read}, f)
 
 
+def resident_now_and_peak_mib() -> tuple[int, int]:
+    with open("/proc/self/status") as f:
+        fields = {line.split(":")[0]: int(line.split()[1]) // 1024 for line in f if line.startswith("Vm")}
+    return fields["VmRSS"], fields["VmHWM"]
+
+
+class TrainingWindow:
+    """The peak resident memory from open() to close(), from the kernel's high-water mark."""
+
+    before = None
+
+    def open(self) -> None:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current VmRSS
+        self.rank, self.before = dist.get_rank(), resident_now_and_peak_mib()[0]
+        atexit.register(self.close)  # a run that does not export
+
+    def close(self) -> None:
+        if self.before is None:
+            return
+        with open(f"{os.environ['HOST_MEMORY_OUT']}.train.rank{self.rank}.json", "w") as f:
+            json.dump({"before": {"Rss": self.before}, "peak": {"Rss": resident_now_and_peak_mib()[1]}}, f)
+        self.before = None
+
+
+TRAINING = TrainingWindow()
+
+
+def serialized(*args, _original=safetensors.torch.save, **kwargs) -> bytes:
+    """safetensors' save, as DCP's writer calls it: one sample more the moment a part file's bytes exist,
+    with its tensors on the host, the export's peak, which a poll could miss."""
+    data = _original(*args, **kwargs)
+    for sample in SAMPLERS:
+        sample()
+    return data
+
+
 def load(*args, _original=weights.load_or_init_weights, **kwargs):
-    return measure("load", _original, *args, **kwargs)
+    measure("load", _original, *args, **kwargs)
+    TRAINING.open()
 
 
 def export(model, out_dir, *args, _original=weights.export_on_rank0 if BEFORE else weights.export_full):
+    TRAINING.close()
     measure("export", _original, model, out_dir, *args)
     if os.environ.get("EXPORT_ON_RANK0_TOO"):
         measure("export_on_rank0", weights.export_on_rank0, model, os.environ["EXPORT_ON_RANK0_TOO"], *args)
 
 
 weights.load_or_init_weights, weights.export_full = load, export
+safetensors.torch.save = serialized  # DCP's writer imports it as it writes
 if BEFORE:
     weights.direct_layout = lambda model, path, ours: ({}, "WEIGHTS_IO=rank0")
 script, sys.argv = sys.argv[1], sys.argv[1:]

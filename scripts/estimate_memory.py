@@ -72,6 +72,7 @@ from fake_run_patches import (  # beside this script
     label_accumulated_gradients,
     route_tokens_evenly,
     track_the_global_peak_only,
+    unpinned_offload,
 )
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
@@ -79,9 +80,9 @@ SCRIPTS_OF = {"pretrain": "pretrain_fsdp", "eval": "eval_cp", "moe": "finetune_m
 # Architecture-only copies of the hub configs the shipped configs name, so planning needs no network.
 HUB_CONFIGS = os.path.join(os.path.dirname(SCRIPTS), "configs", "hub")
 
-# A rank's process before it loads any weights: torch, Transformers, the data. Measured on CPU ranks
-# (docs/memory.md#host-memory); a CUDA process also maps its libraries and holds its context.
-HOST_RESERVE_GIB = 1.0
+# A rank's process before it loads any weights (torch, Transformers, the data, CUDA's context and libraries)
+# and CUDA's first load: 1.17-1.27 GiB and 0.25 GiB on an H200 (docs/memory.md#host-memory).
+HOST_RESERVE_GIB = 1.5
 # FSDPMemTracker's categories, grouped as the report shows them.
 CATEGORIES = {
     "parameters": ["Sharded Param"],
@@ -541,6 +542,7 @@ def main(argv: list[str] | None = None) -> None:
     isolate_sharding_propagation()
     route_tokens_evenly()
     grouped_mm_in_float32()
+    unpinned_offload()
     budget = args.gpu_memory_gib - args.reserve_gib
     result = estimate(cfg, recipe, args.world_size, args.device, budget, args.quick)
     shards = per_rank_shards(cfg, recipe, args.world_size, args.device)

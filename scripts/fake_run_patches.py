@@ -1,5 +1,6 @@
 """What makes torch's FSDPMemTracker and fake tensors run these models, for scripts/estimate_memory.py: five
-patches of private torch and Transformers code (pinned versions), each saying why no public way exists."""
+patches of private torch and Transformers code (pinned versions), each saying why no public way exists, and
+one of the recipes' own."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import torch
 from torch import _meta_registrations as meta_registrations
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from transformers.distributed.expert_parallel import AllToAllEP
+
+from common import wrap
 
 
 def isolate_sharding_propagation() -> None:
@@ -46,6 +50,12 @@ def route_tokens_evenly() -> None:
             return original(self, hidden_states, top_k_index, top_k_weights)
 
     AllToAllEP._dispatch_tokens = evenly
+
+
+def unpinned_offload() -> None:
+    """fsdp.cpu_offload pins its host memory where CUDA is present (common/wrap.py), and fake tensors cannot
+    be pinned (NYI: aten._pin_memory, seen on a GPU machine). Pinned or not, the bytes are the same."""
+    wrap.CPUOffloadPolicy = lambda pin_memory=False: CPUOffloadPolicy(pin_memory=False)
 
 
 def grouped_mm_in_float32() -> None:

@@ -7,7 +7,7 @@ VmHWM counts the pages of a memory-mapped safetensors file that a rank has touch
 shared by a node's ranks and dropped under pressure; anonymous memory is what runs a host out of memory. A
 thread polls /proc/self/status while common.weights.load_or_init_weights runs, and while export_full runs
 (sampling once more each time DCP's writer has serialized a part file, the export's peak, which a poll could
-miss), and each rank writes {"before": {...}, "peak": {...}} (MiB of RssAnon and RssFile) to
+miss), and each rank writes {"before": {...}, "peak": {...}} (MiB of RssAnon, RssFile and RssShmem) to
 $HOST_MEMORY_OUT.load.rank<R>.json and $HOST_MEMORY_OUT.export.rank<R>.json. From the load's end to the
 export's start (training, its checkpoints, the final loss), the kernel's own high-water mark is read instead
 (VmHWM, reset through /proc/self/clear_refs as the window opens): no poll can miss a peak there, and no
@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import weights  # noqa: E402
 
-FIELDS = ("RssAnon", "RssFile")
+FIELDS = ("RssAnon", "RssFile", "RssShmem")  # pinned host memory (CUDA) shows as RssShmem
 SAMPLERS = []  # the open measurement's sample(), for the hook below
 BEFORE = os.environ.get("WEIGHTS_IO") == "rank0"
 

@@ -60,6 +60,11 @@ def base_name(name: str) -> str:
     return name.replace(".base_layer", "")
 
 
+def base_state(state: dict) -> dict:
+    """A state dict under the base checkpoint's names, the adapters left out (the tensors themselves)."""
+    return {base_name(n): t for n, t in state.items() if ADAPTERS not in n}
+
+
 @torch.no_grad()
 def init_adapters(model: nn.Module, seed: int) -> None:
     """PEFT's initialisation, the same on any world size: lora_A as nn.Linear's (Kaiming uniform), from a

@@ -85,7 +85,7 @@ def load_hf_weights(
 def base_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict under the base model's names, LoRA adapters left out. Its tensors are the
     model's own (its local shards), so loading into them in place loads the model."""
-    return {lora.base_name(n): t for n, t in get_model_state_dict(model).items() if lora.ADAPTERS not in n}
+    return lora.base_state(get_model_state_dict(model))
 
 
 def direct_layout(model: nn.Module, path: str, ours: dict) -> tuple[dict, str | None]:
@@ -185,7 +185,7 @@ def export_full(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype, c
     adapters, if any, are merged into each rank's shards first. A model whose weights Transformers converts
     back as it saves (per-expert weights it fused on load) is gathered to rank 0 and saved there."""
     state = get_model_state_dict(model)
-    keys = saved_keys(model, {lora.base_name(n): t for n, t in state.items() if lora.ADAPTERS not in n})
+    keys = saved_keys(model, lora.base_state(state))
     if keys is None:
         export_on_rank0(model, out_dir, tokenizer, dtype, cfg)
         return

@@ -64,7 +64,7 @@ from common.ops.config_sources import apply_override, load_config
 from common.ops.metrics import GIB, CommCounter, sharded_state_bytes
 from common.optim import build_optimizer
 from common.tp import apply_tp
-from common.weights import export_dtype, saved_keys
+from common.weights import saved_keys
 from common.wrap import apply_fsdp
 from fake_run_patches import (  # beside this script
     grouped_mm_in_float32,
@@ -74,6 +74,7 @@ from fake_run_patches import (  # beside this script
     track_the_global_peak_only,
     unpinned_offload,
 )
+from host_memory_plan import host_plan, host_report, host_rows  # beside this script
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS_OF = {"pretrain": "pretrain_fsdp", "eval": "eval_cp", "moe": "finetune_moe_ep_fsdp"}
@@ -333,57 +334,10 @@ def per_rank_shards(cfg: Config, recipe: str, world_size: int, device_type: str)
             if rank == 0:
                 out[0]["model_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
                 out[0]["model_numel"] = sum(p.numel() for p in model.parameters())
-                base = {lora.base_name(n): t for n, t in model.state_dict().items() if lora.ADAPTERS not in n}
-                out[0]["converted"] = saved_keys(model, base) is None
+                out[0]["converted"] = saved_keys(model, lora.base_state(model.state_dict())) is None
         finally:
             dist.destroy_process_group()
     return out
-
-
-def host_plan(cfg: Config, recipe: str, device_type: str, shards: list[dict], training: dict) -> dict:
-    """Each rank's host memory above what its process holds before it loads the weights, in bytes, at load,
-    in training, at a checkpoint and at export: what common/weights.py, DCP and FSDP's offload put on the
-    host (docs/memory.md#host-memory). `training`: rank 0's measured peak and host copies. Pages of the
-    files read and written are the page cache, the kernel's to drop, and not counted."""
-    fsdp, c, trains = cfg.fsdp, cfg.checkpoint, recipe != "eval"
-    on_host = device_type == "cpu" or fsdp.cpu_offload  # where the sharded parameters and their state live
-    state = [s["param_bytes"] + s["trained_bytes"] + s["optimizer_bytes"] for s in shards]  # + gradients
-    # Every tensor of a CPU run: rank 0's measured peak, less its state, plus each rank's (cpu_offload: the
-    # peak counts no state). On a GPU, the activations' host copies (activation_checkpointing_offload).
-    device_part = training["peak"] - (0 if fsdp.cpu_offload else state[0]) if device_type == "cpu" else 0
-    plan = {"load": [], "training": [], "checkpoint": [], "export": []}
-    for rank, s in enumerate(shards):
-        kept = s["param_bytes"] + s["optimizer_bytes"] if on_host else 0  # gradients are freed after a step
-        # DCP's HF reader copies each slice from the mapped file straight into the rank's own tensors;
-        # from_pretrained, for weights Transformers converts as it loads, holds the whole model in fp32.
-        whole = shards[0]["converted"] and (rank == 0 or not fsdp.cpu_ram_efficient_loading)
-        read = 4 * shards[0]["model_numel"] if cfg.model.name_or_path and whole else 0
-        plan["load"].append((s["param_bytes"] if on_host else 0) + read)
-        plan["training"].append(device_part + (state[rank] if on_host else 0) + training["host_copies_bytes"])
-        # DCP copies each tensor of a file to the host and holds it until the file is written (async_save:
-        # all of them, into its staging buffers); a LoRA checkpoint holds the adapters.
-        copies = s["trained_bytes"] + s["optimizer_bytes"] if c.async_save or not on_host else 0
-        plan["checkpoint"].append(kept + copies if trains else 0)
-        exported = export_bytes(cfg, rank, s, shards[0], on_host, export_dtype(cfg, device_type).itemsize)
-        plan["export"].append(kept + exported if trains and c.export else 0)
-    return plan
-
-
-def export_bytes(cfg: Config, rank: int, s: dict, first: dict, on_host: bool, out_bytes: int) -> int:
-    """What common/weights.py's export holds on a rank's host besides the trained state; `first`: rank 0's
-    shards, with the whole model's figures."""
-    if cfg.lora.r and not cfg.lora.merge_on_export:
-        return 0  # the adapters, gathered: small
-    full = cfg.lora.r or cfg.fsdp.state_dict_type == "FULL_STATE_DICT"  # with LoRA: the merged model
-    if full and first["converted"]:
-        # Gathered to rank 0 (export_on_rank0), then cast to the export dtype.
-        return first["model_bytes"] + first["model_numel"] * out_bytes if rank == 0 else 0
-    if full:
-        # DCP's writer holds each part file's tensors on the host (copies from a GPU, casts, or the merged
-        # LoRA weights) and the file's bytes; the output files are then assembled through mmap (page cache).
-        part = s["numel"] * out_bytes
-        return part if on_host and part == s["param_bytes"] and not cfg.lora.r else 2 * part
-    return 0 if on_host else s["param_bytes"]  # SHARDED: DCP's host copies of the rank's shards
 
 
 def estimate(cfg: Config, recipe: str, world_size: int, device_type: str, budget_gib: float, quick: bool):
@@ -432,36 +386,6 @@ def advice(cfg: Config, recipe: str, world_size: int, device_type: str, budget_g
             continue
         out.append({"change": name, "peak_gib": peak, "fits": peak <= budget_gib})
     return out
-
-
-def host_report(plan: dict, args: argparse.Namespace) -> dict:
-    """The plan's peak per rank and per node (the node whose ranks together hold the most), the reserve of
-    each process added, and the phases' figures."""
-    reserve, per_node = args.host_reserve_gib * GIB, args.procs_per_node
-    nodes = range(0, args.world_size, per_node)
-    node = {phase: max(sum(ranks[n : n + per_node]) for n in nodes) for phase, ranks in plan.items()}
-    procs = min(per_node, args.world_size)
-    return {
-        "reserve_gib": args.host_reserve_gib,
-        "procs_per_node": per_node,
-        "peak_gib_per_rank": (max(max(ranks) for ranks in plan.values()) + reserve) / GIB,
-        "peak_gib_per_node": (max(node.values()) + procs * reserve) / GIB,
-        "rank0_bytes": {phase: ranks[0] for phase, ranks in plan.items()},
-        "bytes_per_rank": plan,
-        "node_bytes": node,
-    }
-
-
-def host_rows(host: dict) -> list[tuple[str, str]]:
-    gib = lambda n: f"{n / GIB:.2f}"  # noqa: E731
-    rank0, node = host["rank0_bytes"], host["node_bytes"]
-    phases = " / ".join(gib(rank0[phase]) for phase in rank0)
-    return [
-        ("host RAM per rank, GiB", f"{host['peak_gib_per_rank']:.2f} (with {host['reserve_gib']} reserve)"),
-        ("  load / training / checkpoint / export, GiB", phases),
-        (f"host RAM per node ({host['procs_per_node']} ranks), GiB", f"{host['peak_gib_per_node']:.2f}"),
-        ("  load / training / checkpoint / export, GiB", " / ".join(gib(node[phase]) for phase in node)),
-    ]
 
 
 def table(report: dict) -> str:

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import math
 import zlib
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import inject_adapter_in_model
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
@@ -18,10 +17,17 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from common.config import ConfigError, LoraConfig
 
+if TYPE_CHECKING:
+    from peft import LoraConfig as PeftLoraConfig
+
 ADAPTERS = "lora_"  # in the name of every adapter parameter (lora_A, lora_B)
 
 
 def peft_config(lora: LoraConfig, base_model: str | None = None) -> PeftLoraConfig:
+    # peft is imported where it is used: its 230 modules cost every run without adapters 0.6 s of start-up
+    # per process, which the CPU test suite pays hundreds of times (docs/testing.md).
+    from peft import LoraConfig as PeftLoraConfig
+
     return PeftLoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
@@ -37,6 +43,8 @@ def add_adapters(model: nn.Module, lora: LoraConfig, device_type: str) -> None:
     with lora.r = 0, nothing."""
     if not lora.r:
         return
+    from peft import inject_adapter_in_model  # see peft_config
+
     try:
         inject_adapter_in_model(peft_config(lora), model)
     except ValueError:  # PEFT's NoMatchingPeftModuleError

@@ -7,7 +7,8 @@ VmHWM counts the pages of a memory-mapped safetensors file that a rank has touch
 shared by a node's ranks and dropped under pressure; anonymous memory is what runs a host out of memory. A
 thread polls /proc/self/status while common.weights.load_or_init_weights runs, and while export_full runs
 (sampling once more each time DCP's writer has serialized a part file, the export's peak, which a poll could
-miss), and each rank writes {"before": {...}, "peak": {...}} (MiB of RssAnon, RssFile and RssShmem) to
+miss), and each rank writes {"before": {...}, "peak": {...}} (MiB of RssAnon, RssFile and RssShmem, and
+the kernel's high-water mark of the window as "Rss", which no poll can miss) to
 $HOST_MEMORY_OUT.load.rank<R>.json and $HOST_MEMORY_OUT.export.rank<R>.json. From the load's end to the
 export's start (training, its checkpoints, the final loss), the kernel's own high-water mark is read instead
 (VmHWM, reset through /proc/self/clear_refs as the window opens): no poll can miss a peak there, and no
@@ -57,7 +58,10 @@ def read_bytes() -> int:
 
 
 def measure(what: str, call, *args, **kwargs):
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current VmRSS: the kernel's peak of this window, below
     before, peak, done = resident_mib(), resident_mib(), threading.Event()
+    before["Rss"] = resident_now_and_peak_mib()[0]
     start, read_before = time.perf_counter(), read_bytes()
 
     def sample() -> None:
@@ -80,6 +84,7 @@ def measure(what: str, call, *args, **kwargs):
         # Once more at the end: on a busy machine the polling thread may not have run since the last
         # shards were filled, and loaded weights stay resident, so the peak is at least this.
         sample()
+        peak["Rss"] = resident_now_and_peak_mib()[1]  # anonymous and mapped pages together, never missed
         seconds, read = time.perf_counter() - start, read_bytes() - read_before
         with open(f"{os.environ['HOST_MEMORY_OUT']}.{what}.rank{dist.get_rank()}.json", "w") as f:
             json.dump({"before": before, "peak": peak, "seconds": seconds, "read_bytes": read}, f)

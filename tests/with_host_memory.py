@@ -58,10 +58,9 @@ def read_bytes() -> int:
 
 
 def measure(what: str, call, *args, **kwargs):
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current VmRSS: the kernel's peak of this window, below
+    rss_before = reset_peak()
     before, peak, done = resident_mib(), resident_mib(), threading.Event()
-    before["Rss"] = resident_now_and_peak_mib()[0]
+    before["Rss"] = rss_before
     start, read_before = time.perf_counter(), read_bytes()
 
     def sample() -> None:
@@ -90,6 +89,13 @@ def measure(what: str, call, *args, **kwargs):
             json.dump({"before": before, "peak": peak, "seconds": seconds, "read_bytes": read}, f)
 
 
+def reset_peak() -> int:
+    """Resets the kernel's high-water mark (VmHWM) to the current VmRSS, which it returns (MiB)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return resident_now_and_peak_mib()[0]
+
+
 def resident_now_and_peak_mib() -> tuple[int, int]:
     with open("/proc/self/status") as f:
         fields = {line.split(":")[0]: int(line.split()[1]) // 1024 for line in f if line.startswith("Vm")}
@@ -102,9 +108,7 @@ class TrainingWindow:
     before = None
 
     def open(self) -> None:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current VmRSS
-        self.rank, self.before = dist.get_rank(), resident_now_and_peak_mib()[0]
+        self.rank, self.before = dist.get_rank(), reset_peak()
         atexit.register(self.close)  # a run that does not export
 
     def close(self) -> None:

@@ -12,7 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from huggingface_hub import split_torch_state_dict_into_shards
+from huggingface_hub.serialization import StateDictSplit, split_state_dict_into_shards_factory
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
@@ -25,11 +25,17 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from transformers import AutoModelForCausalLM
-from transformers.conversion_mapping import WeightConverter, get_model_conversion_mapping
-from transformers.core_model_loading import revert_weight_conversion
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import (
+    WeightConverter,
+    WeightRenaming,
+    dot_natural_key,
+    rename_source_key,
+    revert_weight_conversion,
+)
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-from common import lora, manifest
+from common import experts, lora, manifest
 from common.config import Config, resolve_mixed_precision
 from common.model import init_weights
 
@@ -64,12 +70,11 @@ def load_hf_weights(
     model: nn.Module, path: str, broadcast_from_rank0: bool, trust_remote_code: bool = False
 ) -> None:
     """Fill a sharded model from an HF checkpoint. Each rank reads only the byte ranges of its own shards
-    (DCP's Hugging Face reader), in place, so no rank holds more than its share plus one tensor. A checkpoint
-    whose values Transformers converts as it loads (per-expert weights it fuses) goes through from_pretrained.
-    With LoRA adapters the checkpoint fills the base, under PEFT's names; the adapters are left as they are
-    (common/lora.py initialises them)."""
+    (DCP's Hugging Face reader), in place, so no rank holds more than its share plus one tensor; per-expert
+    weights Transformers fuses as it loads, only its own experts' (common/experts.py). With LoRA adapters the
+    checkpoint fills the base, under PEFT's names; the adapters are left to common/lora.py."""
     ours = base_weights(model)
-    names, why_not = direct_layout(model, path, ours)
+    names, fused, why_not = checkpoint_layout(model, path, ours)
     if why_not:
         if dist.get_rank() == 0:
             print(f"{path}: {why_not}; loading it whole through from_pretrained", file=sys.stderr)
@@ -80,39 +85,47 @@ def load_hf_weights(
     wanted = {names[name]: tensor for name, tensor in ours.items() if name in names}
     reader = HuggingFaceStorageReader(path, thread_count=4)  # files read at once per rank
     dcp.load(wanted, storage_reader=reader)  # in place, into the model's own tensors
+    experts.load_own_experts(model, ours, fused)
 
 
 def base_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict under the base model's names, LoRA adapters left out. Its tensors are the
-    model's own (its local shards), so loading into them in place loads the model."""
+    """The model's state dict (its own tensors, local shards) under the base's names, adapters left out."""
     return lora.base_state(get_model_state_dict(model))
 
 
-def direct_layout(model: nn.Module, path: str, ours: dict) -> tuple[dict, str | None]:
-    """{our name: its key in the checkpoint's safetensors files}, and why the files cannot be read straight
-    into `ours` (None when they can): Transformers converts some of their values as it loads, or a name of
-    ours, other than a buffer or a tied weight's second name, is not in them."""
-    keys = []
+def checkpoint_layout(model: nn.Module, path: str, ours: dict) -> tuple[dict, dict, str | None]:
+    """How the safetensors files fill `ours`, as from_pretrained reads them (Transformers' renames, such as
+    GPT-NeoX's embed_out for lm_head, and converters): {our name: its key in the files}; {our name:
+    (Transformers' converter, {source pattern: [(key, file)], in its order})} for weights it fuses from
+    per-expert tensors; and why the files cannot fill `ours` (None when they can): Transformers converts some
+    otherwise, or a name of ours, other than a buffer or a tied weight's second name, is not in them."""
+    located = {}
     for file in glob.glob(os.path.join(path, "*.safetensors")):
         with safe_open(file, framework="pt") as f:
-            keys += f.keys()
-    if not keys:
-        return {}, "it has no safetensors files"
-    names, transforms = {}, get_model_conversion_mapping(model)
-    for key in keys:  # Transformers' key renames are followed (GPT-NeoX's embed_out is lm_head)
-        name = key
-        for transform in transforms:
-            name, matched = transform.rename_source_key(name)
-            if matched and isinstance(transform, WeightConverter):
-                return names, f"Transformers converts {key!r} as it loads"
-        names[name] = key
+            located |= dict.fromkeys(f.keys(), file)
+    if not located:
+        return {}, {}, "it has no safetensors files"
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+    names, fused = {}, {}
+    for key in sorted(located, key=dot_natural_key):  # Transformers' order: expert 2 before expert 10
+        name, pattern = rename_source_key(key, renamings, converters)
+        if pattern is None:
+            names[name] = key
+        elif not experts.stacks_experts(by_pattern[pattern]):
+            return names, fused, f"Transformers converts {key!r} as it loads"
+        else:
+            _, sources = fused.setdefault(name, (by_pattern[pattern], {}))
+            sources.setdefault(pattern, []).append((key, located[key]))
     aliases = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(parameter, []).append(lora.base_name(name))
     skip = {name for same in aliases.values() if names.keys() & same for name in same}
     skip |= {lora.base_name(name) for name, _ in model.named_buffers()}
-    missing = next((name for name in ours if name not in names and name not in skip), None)
-    return names, missing and f"{missing} is not in its files"
+    missing = next((n for n in ours if n not in names and n not in fused and n not in skip), None)
+    return names, fused, missing and f"{missing} is not in its files"
 
 
 def load_converted(model: nn.Module, path: str, broadcast_from_rank0: bool, trust_remote_code: bool) -> None:
@@ -182,27 +195,23 @@ def export_full(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype, c
     """save_pretrained's layout, split at checkpoint.max_shard_size, every rank writing its part: DCP writes
     each rank's own shards, cast to `dtype`, to part files; then rank r assembles output files r, r + world,
     ... from them (torch's consolidation), so no rank holds more than its share plus one tensor. LoRA
-    adapters, if any, are merged into each rank's shards first. A model whose weights Transformers converts
-    back as it saves (per-expert weights it fused on load) is gathered to rank 0 and saved there."""
+    adapters, if any, are merged into each rank's shards first. Expert weights Transformers fused on load
+    are split back per expert by its own converter, each rank writing its own experts."""
     state = get_model_state_dict(model)
-    keys = saved_keys(model, lora.base_state(state))
-    if keys is None:
-        export_on_rank0(model, out_dir, tokenizer, dtype, cfg)
-        return
-    if lora.has_adapters(model):
-        state = lora.merged(state, cfg.lora)  # under the base model's names, still sharded
+    # With LoRA: the merged weights, under the base model's names, still sharded
+    state = lora.merged(state, cfg.lora) if lora.has_adapters(model) else lora.base_state(state)
     tmp, parts = f"{out_dir}.tmp", os.path.join(f"{out_dir}.tmp", "parts")
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
-    state = {keys[name]: t.to(dtype) for name, t in state.items() if name in keys}  # .to: each rank's shards
-    split = split_torch_state_dict_into_shards(
-        state, filename_pattern="model{suffix}.safetensors", max_shard_size=cfg.checkpoint.max_shard_size
-    )
+    whole, state = saved_state(model, state, dtype)
+    split = save_pretrained_split(whole, cfg.checkpoint.max_shard_size)
     order = sorted(split.filename_to_tensors)
     file_of = {key: order.index(file) + 1 for key, file in split.tensor_to_filename.items()}
     files = order if split.is_sharded else [ONE_FILE]  # torch's names: save_pretrained's, or 1 of 1
-    writer = HuggingFaceStorageWriter(parts, file_of, thread_count=4, save_distributed=True)
+    # One part file at a time: the writer holds a part file's bytes until it is written; four threads
+    # raised a rank's memory by 190 MiB against 98, for a share of 110 (docs/checkpoints.md#export).
+    writer = HuggingFaceStorageWriter(parts, file_of, thread_count=1, save_distributed=True)
     writer.sync_files = False  # scratch files, deleted once assembled: no fsync (FileSystemWriter's own flag)
     dcp.save(state, storage_writer=writer)
     del state
@@ -224,16 +233,46 @@ def export_full(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype, c
     dist.barrier()
 
 
-def saved_keys(model: nn.Module, state: dict) -> dict[str, str] | None:
-    """{our name: the key save_pretrained writes it under}: tied weights' second names left out, Transformers'
-    renames reverted, as save_pretrained does; None where reverting converts values. Worked out on meta
-    tensors, so it costs no memory."""
-    meta = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in state.items()}
+def saved_state(model: nn.Module, state: dict, dtype: torch.dtype) -> tuple[dict, dict]:
+    """What save_pretrained writes for `state` (ours, the base model's names, sharded), cast to `dtype`:
+    {key: a meta tensor of the whole weight} (saved_sources), and {key: this rank's tensor to write}: its
+    shard of a weight, or the whole tensors of the experts its shard of a fused expert weight holds, split
+    back by Transformers' converter."""
+    meta = {name: torch.empty(t.shape, dtype=dtype, device="meta") for name, t in state.items()}
+    whole, keys_of = saved_sources(model, meta)
+    mine = {}
+    for name, keys in keys_of.items():
+        if whole[keys[0]] is meta[name]:  # as it is: this rank's shard
+            mine[keys[0]] = state[name].to(dtype)
+        else:  # a fused expert weight: experts 0..E-1 of each source
+            mine |= experts.own_experts(model, name, state[name], keys, dtype)
+    return whole, mine
+
+
+def saved_sources(model: nn.Module, meta: dict) -> tuple[dict, dict]:
+    """What save_pretrained writes for `meta` (our names: meta tensors of whole weights): {key: its meta
+    tensor}, in its order (tied weights' second names left out, Transformers' renames and conversions
+    reverted; the experts split back from a fused weight are views of it, as save_pretrained's are), and
+    {our name: the keys it is written under}."""
+    whole = revert_weight_conversion(model, remove_tied_weights_from_state_dict(meta, model))
     ours = {id(t): name for name, t in meta.items()}
-    saved = revert_weight_conversion(model, remove_tied_weights_from_state_dict(meta, model))
-    if any(id(t) not in ours for t in saved.values()):
-        return None
-    return {ours[id(t)]: key for key, t in saved.items()}
+    keys_of = {ours[id(t)]: [key] for key, t in whole.items() if id(t) in ours}
+    for name in experts.fused_names(model, meta):
+        keys_of[name] = list(revert_weight_conversion(model, {name: meta[name]}))
+    return whole, keys_of
+
+
+def save_pretrained_split(whole: dict, max_shard_size: int | str) -> StateDictSplit:
+    """save_pretrained's split into files, reproduced on meta tensors: it keeps tensors that share storage
+    (the experts it splits back from a fused weight are views of it) in one file, counted once at the
+    storage's size. Meta tensors have no address to tell storages apart by, hence the storage's own id."""
+    return split_state_dict_into_shards_factory(
+        whole,
+        get_storage_size=lambda t: t.untyped_storage().nbytes(),
+        get_storage_id=lambda t: t.untyped_storage()._cdata,
+        filename_pattern="model{suffix}.safetensors",
+        max_shard_size=max_shard_size,
+    )
 
 
 def write_index(model: nn.Module, out_dir: str, split) -> None:
@@ -244,20 +283,6 @@ def write_index(model: nn.Module, out_dir: str, split) -> None:
     }
     with open(os.path.join(out_dir, INDEX), "w", encoding="utf-8") as f:
         f.write(json.dumps(content, indent=2, sort_keys=True) + "\n")
-
-
-def export_on_rank0(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype, cfg: Config) -> None:
-    # Gathered to rank 0 on CPU one tensor at a time, so no GPU ever holds the whole model.
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
-        tmp = f"{out_dir}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        if lora.has_adapters(model):
-            state = lora.merged(state, cfg.lora)
-        state = {k: v.to(dtype) for k, v in state.items()}
-        write_hf_directory(model, tmp, state, tokenizer, dtype, cfg.checkpoint.max_shard_size)
-        finish_export(tmp, out_dir)
-    dist.barrier()
 
 
 def export_adapters(model: nn.Module, cfg: Config, out_dir: str, tokenizer) -> None:

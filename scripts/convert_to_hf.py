@@ -6,7 +6,8 @@ training: the layout save_pretrained writes, one output file at a time.
 
 The story of main(): the model on `meta` from the checkpoint's config.json -> the output files' keys and
 split, as save_pretrained would write them -> for each output file this process owns (file i on rank i mod the
-world size; all of them on one process): DCP reads just its tensors, whole, cast, written -> rank 0 writes
+world size; all of them on one process): DCP reads just its tensors, whole (a fused expert weight whole,
+split back per expert by Transformers' converter), cast, written -> rank 0 writes
 the index, config and tokenizer, the manifest, and renames the directory into place. A process holds one
 output file's tensors at a time, in the checkpoint's dtype (fp32), so one CPU box converts a 70B model.
 """
@@ -23,14 +24,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.core_model_loading import revert_weight_conversion
 
 from common import manifest
 from common.config import ConfigError
 from common.ops.cli import run_cli
-from common.weights import finish_export, prepare_for_generation, save_model_config, saved_keys, write_index
+from common.weights import (
+    finish_export,
+    prepare_for_generation,
+    save_model_config,
+    save_pretrained_split,
+    saved_sources,
+    write_index,
+)
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -74,35 +82,29 @@ def main(argv: list[str] | None = None) -> None:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=args.trust_remote_code)
     stored = stored_weights(args.src, model)
-    keys = saved_keys(model, stored)
-    if keys is None:
-        raise ConfigError(
-            f"src's model ({config.model_type}) has weights Transformers converts as it saves "
-            "(fused experts); export it with the recipe: train.steps=0, model.name_or_path=<a SHARDED export>"
-        )
     dtype = getattr(torch, args.dtype)
-    layout = {
-        keys[n]: torch.empty(t.shape, dtype=dtype, device="meta") for n, t in stored.items() if n in keys
-    }
-    split = split_torch_state_dict_into_shards(
-        layout, filename_pattern="model{suffix}.safetensors", max_shard_size=args.max_shard_size
+    whole, keys_of = saved_sources(
+        model, {n: torch.empty(t.shape, dtype=dtype, device="meta") for n, t in stored.items()}
     )
+    source = {key: name for name, keys in keys_of.items() for key in keys}
+    split = save_pretrained_split(whole, args.max_shard_size)
     tmp = f"{args.out}.tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     if dist.is_initialized():
         dist.barrier()
-    ours = {key: name for name, key in keys.items()}
     written = {}
     for i, (file, file_keys) in enumerate(sorted(split.filename_to_tensors.items()), 1):
         if i % world != rank:
             continue
-        tensors = {
-            ours[k]: torch.empty(stored[ours[k]].shape, dtype=stored[ours[k]].dtype) for k in file_keys
-        }
+        names = dict.fromkeys(source[k] for k in file_keys)  # a fused expert weight is read whole
+        tensors = {n: torch.empty(stored[n].shape, dtype=stored[n].dtype) for n in names}
         dcp.load({"model": tensors}, checkpoint_id=args.src, no_dist=True)  # just these tensors, whole
-        cast = {k: tensors.pop(ours[k]).to(dtype) for k in file_keys}
+        saved = {}
+        for name in names:  # under save_pretrained's keys; fused experts split back by Transformers
+            saved |= revert_weight_conversion(model, {name: tensors.pop(name)})
+        cast = {k: saved.pop(k).to(dtype, copy=True) for k in file_keys}  # copies: no shared storage
         save_file(cast, os.path.join(tmp, file), metadata={"format": "pt"})  # save_pretrained's header
         written.update(manifest.describe(tmp, [file]))
     every = [written]

@@ -56,6 +56,7 @@ from common.architectures import init_buffers
 from common.config import Config, ConfigError, TrainConfig
 from common.data.batches import Batch
 from common.evaluate import score_shard
+from common.experts import loads_whole
 from common.mesh import build_dp_mesh, build_meshes
 from common.model import build_meta_model, load_model_config
 from common.moe import apply_tp_ep, build_moe_meshes, fsdp_meshes
@@ -64,7 +65,6 @@ from common.ops.config_sources import apply_override, load_config
 from common.ops.metrics import GIB, CommCounter, sharded_state_bytes
 from common.optim import build_optimizer
 from common.tp import apply_tp
-from common.weights import saved_keys
 from common.wrap import apply_fsdp
 from fake_run_patches import (  # beside this script
     grouped_mm_in_float32,
@@ -332,9 +332,8 @@ def per_rank_shards(cfg: Config, recipe: str, world_size: int, device_type: str)
                 }
             )
             if rank == 0:
-                out[0]["model_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
                 out[0]["model_numel"] = sum(p.numel() for p in model.parameters())
-                out[0]["converted"] = saved_keys(model, lora.base_state(model.state_dict())) is None
+                out[0]["loads_whole"] = loads_whole(model)
         finally:
             dist.destroy_process_group()
     return out

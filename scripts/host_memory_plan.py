@@ -25,9 +25,10 @@ def host_plan(cfg: Config, recipe: str, device_type: str, shards: list[dict], tr
     plan = {"load": [], "training": [], "checkpoint": [], "export": []}
     for rank, s in enumerate(shards):
         kept = s["param_bytes"] + s["optimizer_bytes"] if on_host else 0  # gradients are freed after a step
-        # DCP's HF reader copies each slice from the mapped file straight into the rank's own tensors;
-        # from_pretrained, for weights Transformers converts as it loads, holds the whole model in fp32.
-        whole = shards[0]["converted"] and (rank == 0 or not fsdp.cpu_ram_efficient_loading)
+        # DCP's HF reader copies each slice from the mapped file straight into the rank's own tensors, and
+        # experts are fused a layer at a time from the rank's own; from_pretrained, for weights Transformers
+        # converts otherwise as it loads, holds the whole model in fp32.
+        whole = shards[0]["loads_whole"] and (rank == 0 or not fsdp.cpu_ram_efficient_loading)
         read = 4 * shards[0]["model_numel"] if cfg.model.name_or_path and whole else 0
         plan["load"].append((s["param_bytes"] if on_host else 0) + read)
         plan["training"].append(device_part + (state[rank] if on_host else 0) + training["host_copies_bytes"])
@@ -35,20 +36,16 @@ def host_plan(cfg: Config, recipe: str, device_type: str, shards: list[dict], tr
         # all of them, into its staging buffers); a LoRA checkpoint holds the adapters.
         copies = s["trained_bytes"] + s["optimizer_bytes"] if c.async_save or not on_host else 0
         plan["checkpoint"].append(kept + copies if trains else 0)
-        exported = export_bytes(cfg, rank, s, shards[0], on_host, export_dtype(cfg, device_type).itemsize)
+        exported = export_bytes(cfg, s, on_host, export_dtype(cfg, device_type).itemsize)
         plan["export"].append(kept + exported if trains and c.export else 0)
     return plan
 
 
-def export_bytes(cfg: Config, rank: int, s: dict, first: dict, on_host: bool, out_bytes: int) -> int:
-    """What common/weights.py's export holds on a rank's host besides the trained state; `first`: rank 0's
-    shards, with the whole model's figures."""
+def export_bytes(cfg: Config, s: dict, on_host: bool, out_bytes: int) -> int:
+    """What common/weights.py's export holds on a rank's host besides the trained state."""
     if cfg.lora.r and not cfg.lora.merge_on_export:
         return 0  # the adapters, gathered: small
     full = cfg.lora.r or cfg.fsdp.state_dict_type == "FULL_STATE_DICT"  # with LoRA: the merged model
-    if full and first["converted"]:
-        # Gathered to rank 0 (export_on_rank0), then cast to the export dtype.
-        return first["model_bytes"] + first["model_numel"] * out_bytes if rank == 0 else 0
     if full:
         # DCP's writer holds each part file's tensors on the host (copies from a GPU, casts, or the merged
         # LoRA weights) and the file's bytes; the output files are then assembled through mmap (page cache).

@@ -26,6 +26,7 @@ PARTS = {"ops": "operations", "data": "data"}  # common/<folder>/; everything el
 ADDED_SINCE = (
     "common/architectures.py",
     "common/evaluate.py",
+    "common/experts.py",
     "common/lora.py",
     "common/manifest.py",
     "common/tp.py",

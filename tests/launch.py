@@ -192,3 +192,28 @@ def last_step(records: list[dict]) -> dict:
 
 def final(records: list[dict]) -> dict:
     return event(records, "final")
+
+
+def assert_same_weights(ours, theirs) -> int:
+    """The same safetensors files, index and tensors, bit for bit; returns how many files."""
+    import torch
+    from safetensors import safe_open
+
+    files = sorted(name for name in os.listdir(ours) if name.endswith(".safetensors"))
+    assert files == sorted(name for name in os.listdir(theirs) if name.endswith(".safetensors"))
+    if len(files) > 1:
+        assert json.loads((ours / "model.safetensors.index.json").read_text()) == json.loads(
+            (theirs / "model.safetensors.index.json").read_text()
+        )
+    for name in files:
+        with safe_open(ours / name, "pt") as a, safe_open(theirs / name, "pt") as b:
+            assert sorted(a.keys()) == sorted(b.keys())
+            assert all(torch.equal(a.get_tensor(key), b.get_tensor(key)) for key in a.keys())
+    return len(files)
+
+
+def anonymous_rise(path: str) -> float:
+    """MiB: with_host_memory.py's peak anonymous memory over its start."""
+    with open(path) as f:
+        memory = json.load(f)
+    return memory["peak"]["RssAnon"] - memory["before"]["RssAnon"]

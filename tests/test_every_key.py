@@ -211,7 +211,7 @@ PRETRAIN = {
         "SHARDED_STATE_DICT", differs(lambda r: [f for f in files(r) if "export" in f])
     ),
     "fsdp.cpu_ram_efficient_loading": ProvenBy(
-        "tests/test_export.py::test_a_checkpoint_transformers_converts_loads_whole_on_rank0_with_cpu_ram_efficient_loading"
+        "tests/test_export.py::test_a_checkpoint_loaded_through_from_pretrained_is_read_by_rank0_alone_with_cpu_ram_efficient_loading"
     ),
     "fsdp.activation_checkpointing": Acts("true", differs(layout("checkpointed"))),
     "fsdp.activation_checkpointing_offload": Acts("true", differs(ready("offloaded_layers")), AC),

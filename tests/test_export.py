@@ -13,7 +13,17 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaC
 
 from common.config import DataConfig
 from common.data.batches import LocalBatches, load_tokenizer, prepare_local_data
-from launch import REPO, TINY, event, pretrain, run, run_command, save_hf_llama
+from launch import (
+    REPO,
+    TINY,
+    anonymous_rise,
+    assert_same_weights,
+    event,
+    pretrain,
+    run,
+    run_command,
+    save_hf_llama,
+)
 
 INDEX = "model.safetensors.index.json"
 
@@ -195,26 +205,6 @@ def test_every_rank_writes_its_part_of_the_merged_lora_export(tmp_path, big_hf_c
     )
 
 
-def assert_same_weights(ours, theirs) -> int:
-    """The same safetensors files, index and tensors, bit for bit; returns how many files."""
-    files = sorted(name for name in os.listdir(ours) if name.endswith(".safetensors"))
-    assert files == sorted(name for name in os.listdir(theirs) if name.endswith(".safetensors"))
-    if len(files) > 1:
-        assert json.loads((ours / INDEX).read_text()) == json.loads((theirs / INDEX).read_text())
-    for name in files:
-        with safe_open(ours / name, "pt") as a, safe_open(theirs / name, "pt") as b:
-            assert sorted(a.keys()) == sorted(b.keys())
-            assert all(torch.equal(a.get_tensor(key), b.get_tensor(key)) for key in a.keys())
-    return len(files)
-
-
-def anonymous_rise(path: str) -> float:
-    """MiB: with_host_memory.py's peak anonymous memory over its start."""
-    with open(path) as f:
-        memory = json.load(f)
-    return memory["peak"]["RssAnon"] - memory["before"]["RssAnon"]
-
-
 # Run a script with its peak resident memory over its memory at its first dcp.load printed last (MiB): the
 # kernel's high-water mark, reset there through /proc/self/clear_refs.
 PEAK_OVER_FIRST_LOAD = """
@@ -242,8 +232,7 @@ print(json.dumps({"rise_mib": vm()["VmHWM"] - first[0]}))
 def test_one_process_converts_one_output_file_at_a_time(tmp_path, big_hf_checkpoint):
     """A 400 MB fp32 checkpoint into files of at most 20 MB: the converter's memory rises by at most three
     output files' worth (the tensors read, DCP's read buffers, safetensors' bytes), not by the model; the
-    files hold the checkpoint's tensors. A fused-expert model and a LoRA checkpoint are refused in one
-    line."""
+    files hold the checkpoint's tensors. A LoRA checkpoint is refused in one line."""
     src = tmp_path / "sharded"
     model = LlamaForCausalLM.from_pretrained(big_hf_checkpoint)
     dcp.save({"model": model.state_dict()}, checkpoint_id=src, no_dist=True)  # a SHARDED export's layout
@@ -262,35 +251,26 @@ def test_one_process_converts_one_output_file_at_a_time(tmp_path, big_hf_checkpo
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert all(torch.equal(converted.state_dict()[k], v) for k, v in model.state_dict().items())
 
-    refusals = {
-        "lora": ("model.layers.0.self_attn.q_proj.lora_A.default.weight", "LoRA adapters?"),
-        "moe": (None, "fused experts"),
-    }
-    for name, (extra_key, words) in refusals.items():
-        config = LlamaConfig(
-            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
-        )
-        if name == "moe":
-            config = AutoConfig.for_model(
-                "qwen3_moe", vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=32,
-                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, num_experts=2,
-                num_experts_per_tok=1,
-            )  # fmt: skip
-        state = AutoModelForCausalLM.from_config(config).state_dict()
-        if extra_key:
-            state[extra_key] = torch.zeros(4, 16)
-        dcp.save({"model": state}, checkpoint_id=tmp_path / name, no_dist=True)
-        config.save_pretrained(tmp_path / name)
-        refused = run(
-            "convert_to_hf.py", [str(tmp_path / name), str(tmp_path / f"{name}-hf")], nproc=0, check=False
-        )
-        lines = refused.stderr.strip().splitlines()
-        assert refused.returncode == 2 and len(lines) == 1 and words in lines[0], refused.stderr
-        assert not os.path.exists(tmp_path / f"{name}-hf.tmp") and not os.path.exists(tmp_path / f"{name}-hf")
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    state = AutoModelForCausalLM.from_config(config).state_dict()
+    state["model.layers.0.self_attn.q_proj.lora_A.default.weight"] = torch.zeros(4, 16)
+    dcp.save({"model": state}, checkpoint_id=tmp_path / "lora", no_dist=True)
+    config.save_pretrained(tmp_path / "lora")
+    refused = run(
+        "convert_to_hf.py", [str(tmp_path / "lora"), str(tmp_path / "lora-hf")], nproc=0, check=False
+    )
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1 and "LoRA adapters?" in lines[0], refused.stderr
+    assert not os.path.exists(tmp_path / "lora-hf.tmp") and not os.path.exists(tmp_path / "lora-hf")
 
 
-def test_a_checkpoint_transformers_converts_loads_whole_on_rank0_with_cpu_ram_efficient_loading(tmp_path):
-    """Per-expert weights, which from_pretrained fuses as it loads, are read whole through it: with
+def test_a_checkpoint_loaded_through_from_pretrained_is_read_by_rank0_alone_with_cpu_ram_efficient_loading(
+    tmp_path,
+):
+    """A checkpoint read whole through from_pretrained (the path of a conversion Transformers makes as it
+    loads other than stacking experts; taken here with WEIGHTS_IO=rank0): with
     fsdp.cpu_ram_efficient_loading by rank 0 alone (the others receive their shards), else by every rank.
     The MoE recipe, 2 ranks, a 34M-parameter Qwen3-MoE."""
     config = AutoConfig.for_model(
@@ -311,7 +291,8 @@ def test_a_checkpoint_transformers_converts_loads_whole_on_rank0_with_cpu_ram_ef
              f"model.name_or_path={tmp_path / 'qwen3_moe'}", "model.config={}",
              f"fsdp.cpu_ram_efficient_loading={efficient}"],
             nproc=2,
-            extra_env={"MALLOC_MMAP_THRESHOLD_": "131072", "HOST_MEMORY_OUT": str(out)},
+            extra_env={"MALLOC_MMAP_THRESHOLD_": "131072", "HOST_MEMORY_OUT": str(out),
+                       "WEIGHTS_IO": "rank0"},
             wrapper="with_host_memory.py",
         )  # fmt: skip
         for rank in (0, 1):  # the kernel's high-water mark: the whole model lives only for a moment

@@ -16,7 +16,7 @@ from common.config import ConfigError, ParallelismConfig
 from common.data.sft import arithmetic_examples, build_rows, tokenize_example
 from common.model import build_meta_model, load_model_config
 from common.ops.config_sources import load_config
-from launch import REPO, event, losses, read_metrics, run, steps
+from launch import REPO, anonymous_rise, assert_same_weights, event, losses, read_metrics, run, steps
 
 MOE = os.path.join(REPO, "configs", "debug_moe.json")
 TINY = dict(
@@ -207,6 +207,14 @@ def test_full_export_loads_in_transformers_with_the_trained_logits(layouts):
         )
 
 
+def test_a_checkpoint_converts_to_the_runs_full_export_bit_for_bit(tmp_path, layouts):
+    """scripts/convert_to_hf.py, one process, on the ep-2 run's last checkpoint: the fused experts split back
+    per expert by Transformers' converter, the run's own FULL export's files, index and tensors."""
+    run_dir, _ = layouts("fsdp4-ep2")
+    run("convert_to_hf.py", [str(run_dir / "checkpoints" / "step-6"), str(tmp_path / "hf")], nproc=0)
+    assert assert_same_weights(tmp_path / "hf", run_dir / "export") == 1
+
+
 def test_mixtral_trains_with_ep_and_round_trips(tmp_path):
     model_dir = save_tiny(tmp_path / "mixtral", "mixtral")
     records = finetune(
@@ -217,6 +225,49 @@ def test_mixtral_trains_with_ep_and_round_trips(tmp_path):
     loss, info = fixed_batch_loss_in_transformers(str(tmp_path / "run" / "export"))
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert abs(loss - event(records, "final")["fixed_batch_loss"]) < 1e-6
+
+
+def test_each_rank_reads_and_writes_only_its_experts(tmp_path):
+    """A checkpoint of per-expert tensors, which Transformers fuses as it loads: each rank reads only its own
+    experts' and fuses them with Transformers' converter, so loading raises no rank's anonymous memory by more
+    than its share of the fp32 weights plus one fused weight plus 16 MiB. The FULL export splits them back,
+    each rank writing its own experts (no rank rises by more than its share plus one output file), bit for
+    bit the export rank 0 gathers and saves alone (which holds the whole model: the contrast), and
+    Transformers reads it back with the loss the run measured."""
+    torch.manual_seed(0)
+    sizes = dict(TINY, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+    config = Qwen3MoeConfig(
+        **sizes, head_dim=64, moe_intermediate_size=512, num_experts=16, num_experts_per_tok=2
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    numel, fused = model.num_parameters(), model.model.layers[0].mlp.experts.gate_up_proj.numel()
+    model.save_pretrained(tmp_path / "moe", max_shard_size="50MB")
+    share_mib, fused_mib, file_mib = numel * 4 / 2 / 2**20, fused * 4 / 2**20, 50e6 / 2**20
+    out = tmp_path / "mem"
+    records = finetune(
+        tmp_path / "run",
+        tmp_path / "moe",
+        "train.steps=0",
+        "parallelism.ep_size=2",
+        "checkpoint.max_shard_size=50MB",
+        nproc=2,
+        extra_env={
+            "MALLOC_MMAP_THRESHOLD_": "131072",
+            "HOST_MEMORY_OUT": str(out),
+            "EXPORT_ON_RANK0_TOO": str(tmp_path / "export-on-rank0"),
+        },
+        wrapper="with_host_memory.py",
+    )
+    for rank in (0, 1):
+        rise = anonymous_rise(f"{out}.load.rank{rank}.json")
+        assert share_mib * 0.9 < rise <= share_mib + fused_mib + 16, (rank, rise)
+        rise = anonymous_rise(f"{out}.export.rank{rank}.json")
+        assert rise <= share_mib + file_mib + 16, (rank, rise)
+    assert anonymous_rise(f"{out}.export_on_rank0.rank0.json") > 2 * share_mib
+    assert assert_same_weights(tmp_path / "run" / "export", tmp_path / "export-on-rank0") == 7
+    loss, info = fixed_batch_loss_in_transformers(str(tmp_path / "run" / "export"))
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert loss == pytest.approx(event(records, "final")["fixed_batch_loss"], abs=1e-5)
 
 
 def test_fewer_local_experts_than_ranks_to_shard_them_over_still_split_evenly(tmp_path):

@@ -5,7 +5,8 @@ file-mapped apart.
 
 VmHWM counts the pages of a memory-mapped safetensors file that a rank has touched, which are the page cache,
 shared by a node's ranks and dropped under pressure; anonymous memory is what runs a host out of memory. A
-thread polls /proc/self/status while common.weights.load_or_init_weights runs, and while export_full runs
+thread polls /proc/self/status every millisecond (a busy loop slowed the timed work threefold on 2 cores)
+while common.weights.load_or_init_weights runs, and while export_full runs
 (sampling once more each time DCP's writer has serialized a part file, the export's peak, which a poll could
 miss), and each rank writes {"before": {...}, "peak": {...}} (MiB of RssAnon, RssFile and RssShmem, and
 the kernel's high-water mark of the window as "Rss", which no poll can miss) to
@@ -15,7 +16,7 @@ export's start (training, its checkpoints, the final loss), the kernel's own hig
 safetensors file is mapped then, so it rises with anonymous memory only. It goes to
 $HOST_MEMORY_OUT.train.rank<R>.json as {"before": {"Rss": ...}, "peak": {"Rss": ...}}. With
 $EXPORT_ON_RANK0_TOO, the model is exported once more there, gathered to rank 0 and saved by it
-(weights.export_on_rank0), measured as $HOST_MEMORY_OUT.export_on_rank0.rank<R>.json. Each record also has the
+(export_on_rank0 below), measured as $HOST_MEMORY_OUT.export_on_rank0.rank<R>.json. Each record also has the
 seconds taken and the bytes read (/proc/self/io's rchar: read() calls; pages of mapped files show as RssFile).
 WEIGHTS_IO=rank0 takes the path the recipes took before each rank read and wrote its share
 (benchmarks/weights_io.py): the checkpoint whole through from_pretrained (on rank 0 with
@@ -29,16 +30,18 @@ import atexit
 import json
 import os
 import runpy
+import shutil
 import sys
 import threading
 import time
 
 import safetensors.torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import weights  # noqa: E402
+from common import lora, weights  # noqa: E402
 
 FIELDS = ("RssAnon", "RssFile", "RssShmem")  # pinned host memory (CUDA) shows as RssShmem
 SAMPLERS = []  # the open measurement's sample(), for the hook below
@@ -67,8 +70,8 @@ def measure(what: str, call, *args, **kwargs):
         now = resident_mib()
         peak.update({k: max(peak[k], now[k]) for k in FIELDS})
 
-    def poll() -> None:
-        while not done.is_set():
+    def poll() -> None:  # every millisecond: a busy loop took the cores the timed work runs on
+        while not done.wait(0.001):
             sample()
 
     thread = threading.Thread(target=poll, daemon=True)
@@ -136,16 +139,31 @@ def load(*args, _original=weights.load_or_init_weights, **kwargs):
     TRAINING.open()
 
 
-def export(model, out_dir, *args, _original=weights.export_on_rank0 if BEFORE else weights.export_full):
+def export_on_rank0(model, out_dir: str, tokenizer, dtype, cfg) -> None:
+    """The FULL export as the recipes wrote it before every rank wrote its part: the model gathered to rank
+    0 on CPU one tensor at a time (LoRA merged there), cast, and saved by save_pretrained."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        tmp = f"{out_dir}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        if lora.has_adapters(model):
+            state = lora.merged(state, cfg.lora)
+        state = {k: v.to(dtype) for k, v in state.items()}
+        weights.write_hf_directory(model, tmp, state, tokenizer, dtype, cfg.checkpoint.max_shard_size)
+        weights.finish_export(tmp, out_dir)
+    dist.barrier()
+
+
+def export(model, out_dir, *args, _original=export_on_rank0 if BEFORE else weights.export_full):
     TRAINING.close()
     measure("export", _original, model, out_dir, *args)
     if os.environ.get("EXPORT_ON_RANK0_TOO"):
-        measure("export_on_rank0", weights.export_on_rank0, model, os.environ["EXPORT_ON_RANK0_TOO"], *args)
+        measure("export_on_rank0", export_on_rank0, model, os.environ["EXPORT_ON_RANK0_TOO"], *args)
 
 
 weights.load_or_init_weights, weights.export_full = load, export
 safetensors.torch.save = serialized  # DCP's writer imports it as it writes
 if BEFORE:
-    weights.direct_layout = lambda model, path, ours: ({}, "WEIGHTS_IO=rank0")
+    weights.checkpoint_layout = lambda model, path, ours: ({}, {}, "WEIGHTS_IO=rank0")
 script, sys.argv = sys.argv[1], sys.argv[1:]
 runpy.run_path(script, run_name="__main__")

@@ -1,0 +1,139 @@
+"""MoE expert weights in and out of Hugging Face's per-expert layout, each rank its own experts.
+
+Checkpoints store one tensor per expert (`experts.3.gate_proj.weight`); Transformers fuses them as it loads
+into one tensor per layer (`experts.gate_up_proj`, [experts, 2 x intermediate, hidden]) and splits them back
+as it saves. FSDP and EP shard that fused tensor on the experts' dim, so a rank's shard is a run of whole
+experts: it reads only those experts' tensors and fuses them with Transformers' own converter, and at export
+splits its own experts back with Transformers' reverse converter."""
+
+from __future__ import annotations
+
+import copy
+from contextlib import ExitStack
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import (
+    Concatenate,
+    MergeModulelist,
+    WeightConverter,
+    revert_weight_conversion,
+)
+from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+
+def stacks_experts(converter: WeightConverter) -> bool:
+    """Transformers stacks one tensor per expert on dim 0 (MergeModulelist), then at most concatenates on
+    other dims: the experts of a shard's rows are then built from those experts' tensors alone."""
+    ops = converter.operations
+    return (
+        len(converter.target_patterns) == 1
+        and isinstance(ops[0], MergeModulelist)
+        and ops[0].dim == 0
+        and all(isinstance(op, Concatenate) and op.dim > 0 for op in ops[1:])
+    )
+
+
+def loads_whole(model: nn.Module) -> bool:
+    """Transformers converts some of the model's checkpoint weights as it loads other than by stacking
+    experts, so a checkpoint holding them loads whole, through from_pretrained (the planner's figure)."""
+    transforms = get_model_conversion_mapping(model)
+    return any(isinstance(t, WeightConverter) and not stacks_experts(t) for t in transforms)
+
+
+def load_own_experts(model: nn.Module, ours: dict, fused: dict) -> None:
+    """Fill this rank's shards of the fused expert weights (`fused`: {our name: (Transformers' converter,
+    {source pattern: [(key, file)], experts in order})}, common/weights.py's checkpoint_layout)."""
+    with ExitStack() as files:
+        opened = {}
+        for name, (converter, sources) in fused.items():
+            if name in ours:  # else from_pretrained reports it unexpected, and leaves it
+                load_own_shard(model, ours[name], name, converter, sources, opened, files)
+
+
+def load_own_shard(
+    model: nn.Module, shard: torch.Tensor, name: str, converter: WeightConverter, sources, opened, files
+) -> None:
+    """The shard of the fused weight `name`: Transformers' converter run on the experts in the shard's rows
+    only, so the rank reads its share, then cut to the shard's other dims (FSDP splits those when it has
+    fewer experts than ranks). `opened`: the files open so far, each once, closed with `files`."""
+    box = local_box(shard)
+    if box[0].start == box[0].stop:
+        return  # an empty shard (FSDP's padding)
+    converter = copy.deepcopy(converter)
+    for pattern, located in sources.items():
+        for key, file in located[box[0]]:
+            if file not in opened:
+                opened[file] = files.enter_context(safe_open(file, framework="pt"))
+            converter.add_tensor(name, key, pattern, opened[file].get_tensor(key))
+    [fused] = converter.convert(name, model=model, config=model.config).values()
+    local = shard.to_local() if isinstance(shard, DTensor) else shard
+    with torch.no_grad():
+        local.copy_(fused[(slice(None), *box[1:])])
+
+
+def local_box(tensor: torch.Tensor) -> tuple[slice, ...]:
+    """The part of the whole weight this rank's tensor holds: DCP's chunk of a DTensor, all of a tensor."""
+    if not isinstance(tensor, DTensor):
+        return tuple(slice(0, size) for size in tensor.shape)
+    [chunk] = tensor.__create_chunk_list__()  # what DCP saves and loads this rank's shard as
+    return tuple(slice(offset, offset + size) for offset, size in zip(chunk.offsets, chunk.sizes))
+
+
+def fused_names(model: nn.Module, state: dict) -> list[str]:
+    """Our names of the weights save_pretrained converts back as it saves (experts fused on load)."""
+    meta = {name: torch.empty(t.shape, device="meta") for name, t in state.items()}
+    kept = remove_tied_weights_from_state_dict(meta, model)
+    saved = {id(t) for t in revert_weight_conversion(model, kept).values()}
+    return [name for name, t in kept.items() if id(t) not in saved]
+
+
+def own_experts(
+    model: nn.Module, name: str, weight: torch.Tensor, keys: list[str], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """{key: tensor} of the experts this rank writes from its shard of the fused weight `name`, split back
+    by Transformers' converter and cast to `dtype`. `keys`: what the whole weight splits into, experts
+    0..E-1 for each of its sources (gate, then up), in the converter's order."""
+    experts = weight.shape[0]
+    weight, turn, turns = whole_experts(weight)
+    rows = local_box(weight)[0]
+    if rows.start == rows.stop:
+        return {}  # an empty shard (FSDP's padding)
+    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    pieces = revert_weight_conversion(model, {name: local.to(dtype)})  # the rank's experts, from 0
+    mine = {}
+    for i, tensor in enumerate(pieces.values()):
+        if i % turns != turn:
+            continue  # another rank holding these experts writes it
+        source, expert = divmod(i, rows.stop - rows.start)
+        # a gathered weight goes once this rank has copied out its own tensors
+        mine[keys[source * experts + rows.start + expert]] = (
+            tensor.to("cpu", copy=True) if turns > 1 else tensor
+        )
+    return mine
+
+
+def whole_experts(weight: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """A fused expert weight whose shard holds whole experts: where FSDP splits experts themselves (fewer
+    experts than ranks to shard them over), gathered across the ranks that split them; and this rank's
+    turn among the ranks then holding the same experts, and their number (each writes every turns-th of
+    their tensors)."""
+    if not split_within_experts(weight):
+        return weight, 0, 1
+    mesh, placements = weight.device_mesh, weight.placements
+    within = [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim > 0]
+    gathered = weight.redistribute(
+        placements=[Replicate() if i in within else p for i, p in enumerate(placements)]
+    )
+    turn, turns = 0, 1
+    for i in within:
+        turn, turns = turn * mesh.size(i) + mesh.get_local_rank(i), turns * mesh.size(i)
+    return gathered, turn, turns
+
+
+def split_within_experts(tensor: torch.Tensor) -> bool:
+    """FSDP splits this fused expert weight on a dim other than the experts' (fewer experts than ranks)."""
+    return isinstance(tensor, DTensor) and any(isinstance(p, Shard) and p.dim > 0 for p in tensor.placements)

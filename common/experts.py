@@ -55,7 +55,13 @@ def load_own_experts(model: nn.Module, ours: dict, fused: dict) -> None:
 
 
 def load_own_shard(
-    model: nn.Module, shard: torch.Tensor, name: str, converter: WeightConverter, sources, opened, files
+    model: nn.Module,
+    shard: torch.Tensor,
+    name: str,
+    converter: WeightConverter,
+    sources: dict,
+    opened: dict,
+    files: ExitStack,
 ) -> None:
     """The shard of the fused weight `name`: Transformers' converter run on the experts in the shard's rows
     only, so the rank reads its share, then cut to the shard's other dims (FSDP splits those when it has

@@ -137,7 +137,7 @@ def llama_63m(tmp_path_factory) -> str:
     return str(save_hf_llama(tmp_path_factory.mktemp("llama_63m"), hidden_size=768, intermediate_size=3072))
 
 
-@pytest.mark.parametrize("world", [1, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_host_plan_matches_measured_memory(tmp_path, llama_63m, world):
     """The planner's host memory for a CPU run, each rank's above its process's own before the load, against
     the real run's (tests/with_host_memory.py), within 15%, rank by rank: at load (its share), in training

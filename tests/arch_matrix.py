@@ -32,6 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from common import loss  # noqa: E402
+from common.ops.cli import end_process  # noqa: E402
 
 COMMON = ["data.dataset=arithmetic", "data.eval_dataset=arithmetic", "data.seq_len=64", "train.steps=2"]
 COMMON += ["train.global_batch_size=8", "train.micro_batch_size=2", "train.warmup_steps=1", "train.lr=3e-3"]
@@ -191,3 +192,4 @@ def run_architecture(out: str, checkpoints: str, arch: str) -> None:
 
 if __name__ == "__main__":
     main()
+    end_process(0)  # DTensor's meshes keep gloo threads that can abort interpreter teardown

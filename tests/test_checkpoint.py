@@ -344,6 +344,7 @@ import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 from common.checkpoint import load_checkpoint, save_checkpoint
+from common.ops.cli import end_process
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -359,6 +360,7 @@ load_checkpoint(path, model, optimizer, scheduler)
 restored = torch.equal(torch.rand(4), expected)
 os.write(1, f"rank {{rank}} restored its own RNG: {{restored}}\\n".encode())  # one atomic write, as above
 dist.destroy_process_group()
+end_process(0)  # DTensor's meshes keep gloo threads that can abort interpreter teardown (common/ops/cli.py)
 """
 
 

@@ -148,6 +148,7 @@ from common.config import Config, FsdpConfig, LoraConfig, ModelConfig
 from common.mesh import build_dp_mesh
 from common.architectures import init_buffers
 from common.model import build_meta_model, load_model_config
+from common.ops.cli import end_process
 from common.optim import build_optimizer
 from common.weights import load_or_init_weights
 from common.wrap import apply_fsdp
@@ -176,6 +177,7 @@ only_adapters = in_optimizer == {{id(p) for n, p in model.named_parameters() if 
 verdicts = f"{{frozen_same}} {{adapters_learn}} {{no_frozen_grad}} {{only_adapters}}"
 os.write(1, f"rank {{dist.get_rank()}}: {{verdicts}}\\n".encode())
 dist.destroy_process_group()
+end_process(0)  # DTensor's meshes keep gloo threads that can abort interpreter teardown (common/ops/cli.py)
 """
 
 

@@ -10,7 +10,8 @@ import os
 import types
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from common.config import Config, ConfigError, FsdpConfig, class_names, mixed_precision_dtypes, validate
+from common.config import Config, ConfigError, FsdpConfig, class_names, mixed_precision_dtypes
+from common.ops.config_checks import validate
 from common.ops.fsdp1 import FSDP1_KEYS, FSDP1_LAUNCH_KEYS, RESHARD, Translation, fsdp1_launch_values
 
 # Accelerate's names (Transformers silently ignores offload_params).
@@ -333,18 +334,4 @@ def load_config(
     cfg.fsdp.state_dict_type = state_dict_type(cfg.fsdp.state_dict_type)
     check_types(cfg)
     validate(cfg)
-    check_companions(cfg)
     return cfg
-
-
-def check_companions(cfg: Config) -> None:  # keys that act only with another, in every script
-    if cfg.fsdp.activation_checkpointing_offload and not cfg.fsdp.activation_checkpointing:  # as Accelerate
-        raise ConfigError(
-            "fsdp.activation_checkpointing_offload is true but nothing is checkpointed to offload; set "
-            "fsdp.activation_checkpointing=true"
-        )
-    if cfg.parallelism.cp_comm_strategy != "allgather" and cfg.parallelism.cp_size == 1:  # torch_cp's ring
-        raise ConfigError(
-            f"parallelism.cp_comm_strategy is {cfg.parallelism.cp_comm_strategy!r} but parallelism.cp_size "
-            f"is 1, so no K/V shards travel; remove it"
-        )

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tests.launch import pretrain, tiny
+from tests.launch import host_memory_env, pretrain, tiny
 
 SIZE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=10, num_attention_heads=16)
 if tiny():
@@ -70,7 +70,7 @@ def measured(checkpoint: str, work: str, world: int, path: str, cache: str) -> l
         "fsdp.state_dict_type=FULL_STATE_DICT", "checkpoint.max_shard_size=1GB",
         "checkpoint.export_dtype=float32",
         nproc=world, timeout=1800, wrapper="with_host_memory.py",
-        extra_env={"MALLOC_MMAP_THRESHOLD_": "131072", "HOST_MEMORY_OUT": out, "WEIGHTS_IO": path},
+        extra_env={**host_memory_env(out), "WEIGHTS_IO": path},
     )  # fmt: skip
     records = []
     for rank in range(world):

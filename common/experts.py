@@ -22,7 +22,6 @@ from transformers.core_model_loading import (
     WeightConverter,
     revert_weight_conversion,
 )
-from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 
 def stacks_experts(converter: WeightConverter) -> bool:
@@ -87,14 +86,6 @@ def local_box(tensor: torch.Tensor) -> tuple[slice, ...]:
         return tuple(slice(0, size) for size in tensor.shape)
     [chunk] = tensor.__create_chunk_list__()  # what DCP saves and loads this rank's shard as
     return tuple(slice(offset, offset + size) for offset, size in zip(chunk.offsets, chunk.sizes))
-
-
-def fused_names(model: nn.Module, state: dict) -> list[str]:
-    """Our names of the weights save_pretrained converts back as it saves (experts fused on load)."""
-    meta = {name: torch.empty(t.shape, device="meta") for name, t in state.items()}
-    kept = remove_tied_weights_from_state_dict(meta, model)
-    saved = {id(t) for t in revert_weight_conversion(model, kept).values()}
-    return [name for name, t in kept.items() if id(t) not in saved]
 
 
 def own_experts(

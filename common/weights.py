@@ -254,11 +254,11 @@ def saved_sources(model: nn.Module, meta: dict) -> tuple[dict, dict]:
     tensor}, in its order (tied weights' second names left out, Transformers' renames and conversions
     reverted; the experts split back from a fused weight are views of it, as save_pretrained's are), and
     {our name: the keys it is written under}."""
-    whole = revert_weight_conversion(model, remove_tied_weights_from_state_dict(meta, model))
-    ours = {id(t): name for name, t in meta.items()}
+    kept = remove_tied_weights_from_state_dict(meta, model)
+    whole, ours = revert_weight_conversion(model, kept), {id(t): name for name, t in kept.items()}
     keys_of = {ours[id(t)]: [key] for key, t in whole.items() if id(t) in ours}
-    for name in experts.fused_names(model, meta):
-        keys_of[name] = list(revert_weight_conversion(model, {name: meta[name]}))
+    for name in [name for name in kept if name not in keys_of]:  # fused on load (experts): split back
+        keys_of[name] = list(revert_weight_conversion(model, {name: kept[name]}))
     return whole, keys_of
 
 

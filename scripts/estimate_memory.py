@@ -22,18 +22,17 @@ Planning for a GPU on a CPU (--device cuda, the default):
   to the peak before it is compared with --gpu-memory-gib.
 - train.compile is ignored: compiled layers fuse elementwise ops and save less, so eager is an upper bound.
 - fsdp.activation_checkpointing_offload: each checkpointed layer's input leaves device memory until backward
-  copies it back (HostCopies below); host memory is not counted.
+  copies it back (HostCopies below); the host plan counts it.
 - Gradient clipping and the loss's host reads (.item()) are left out: they hold a few scalars per tensor.
-- Host RAM per rank and per node (--procs-per-node): at load, in training, at a checkpoint and at export,
-  from each rank's shards and the paths common/weights.py and DCP take (host_plan), plus --host-reserve-gib
-  a process (docs/memory.md#host-memory).
+- Host RAM per rank and per node (--procs-per-node): at load, at a resume, in training, at a checkpoint and
+  at export, from each rank's shards and the paths common/weights.py and DCP take (host_plan), plus
+  --host-reserve-gib a process (docs/memory.md#host-memory).
 - MoE: tokens are routed evenly (fake tensors have no values to route by); a skewed router sends some ranks
   more. The held-out evaluation before training is not planned.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import importlib.util
 import json
@@ -61,11 +60,12 @@ from common.mesh import build_dp_mesh, build_meshes
 from common.model import build_meta_model, load_model_config
 from common.moe import apply_tp_ep, build_moe_meshes, fsdp_meshes
 from common.ops.cli import run_cli
-from common.ops.config_sources import apply_override, load_config
+from common.ops.config_sources import apply_override
 from common.ops.metrics import GIB, CommCounter, sharded_state_bytes
 from common.optim import build_optimizer
 from common.tp import apply_tp
 from common.wrap import apply_fsdp
+from estimate_cli import offline_model, parse, pick_recipe  # beside this script
 from fake_run_patches import (  # beside this script
     grouped_mm_in_float32,
     isolate_sharding_propagation,
@@ -74,16 +74,11 @@ from fake_run_patches import (  # beside this script
     track_the_global_peak_only,
     unpinned_offload,
 )
-from host_memory_plan import host_plan, host_report, host_rows  # beside this script
+from host_memory_plan import host_plan, host_report, pinned  # beside this script
+from memory_report import table  # beside this script
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS_OF = {"pretrain": "pretrain_fsdp", "eval": "eval_cp", "moe": "finetune_moe_ep_fsdp"}
-# Architecture-only copies of the hub configs the shipped configs name, so planning needs no network.
-HUB_CONFIGS = os.path.join(os.path.dirname(SCRIPTS), "configs", "hub")
-
-# A rank's process before it loads any weights (torch, Transformers, the data, CUDA's context and libraries)
-# and CUDA's first load: 1.17-1.27 GiB and 0.25 GiB on an H200 (docs/memory.md#host-memory).
-HOST_RESERVE_GIB = 1.5
 # FSDPMemTracker's categories, grouped as the report shows them.
 CATEGORIES = {
     "parameters": ["Sharded Param"],
@@ -120,28 +115,6 @@ def load_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def offline_model(cfg: Config) -> None:
-    """Point model.name_or_path at the bundled architecture config when it names a hub model."""
-    name = cfg.model.name_or_path
-    if name and not os.path.isdir(name):
-        bundled = os.path.join(HUB_CONFIGS, name.replace("/", "--"))
-        if not os.path.isdir(bundled):
-            raise ConfigError(
-                f"model.name_or_path {name!r} is neither a local directory nor bundled in configs/hub; "
-                f"give a directory holding its config.json"
-            )
-        cfg.model.name_or_path = bundled
-
-
-def pick_recipe(requested: str, config_path: str, cfg: Config, hf_config) -> str:
-    if requested != "auto":
-        return requested
-    if any(hasattr(hf_config, key) for key in ("num_experts", "num_local_experts")):
-        return "moe"
-    with open(config_path) as f:
-        return "pretrain" if "train" in json.load(f) else "eval"
 
 
 def fake_batch(micro_batch: int, seq_len: int, vocab: int, documents: bool) -> Batch:
@@ -314,21 +287,27 @@ def eval_step(model, batch, cp_state, cfg: Config) -> None:
 def per_rank_shards(cfg: Config, recipe: str, world_size: int, device_type: str) -> list[dict]:
     """Every rank's parameter, trained-parameter (= gradient) and optimizer bytes, and its parameters'
     elements: the model sharded on `meta` as each rank would hold it. AdamW keeps two states the shape of
-    each trained parameter (checked on rank 0 against the real state); a frozen LoRA base has none. Rank 0's
-    also has the whole model's bytes, and whether Transformers converts its weights as it saves them."""
-    out = []
+    each trained parameter (checked on rank 0 against the real state); a frozen LoRA base has none. What
+    cpu_offload pins on a GPU: each parameter's padded chunk and each gradient, a power of two apiece. Rank
+    0's also has the whole model's bytes, and whether Transformers converts its weights as it saves them."""
+    out, chunks = [], []
     for rank in range(world_size):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
         try:
             model = shard_on_meta(copy.deepcopy(cfg), recipe, world_size, device_type)["model"]
             local = [(p.to_local(), p.requires_grad) for p in model.parameters()]
-            trained = sum(t.numel() * t.element_size() for t, trains in local if trains)
+            grads = [t.numel() * t.element_size() for t, trains in local if trains]
+            trained = sum(grads)
+            if rank == 0:  # FSDP pads every rank's chunk to rank 0's, the largest (torch.chunk)
+                chunks = [t.numel() * t.element_size() for t, _ in local]
             out.append(
                 {
                     "param_bytes": sum(t.numel() * t.element_size() for t, _ in local),
                     "optimizer_bytes": 2 * trained if recipe != "eval" else 0,
                     "trained_bytes": trained,
                     "numel": sum(t.numel() for t, _ in local),
+                    "pinned_param_bytes": sum(map(pinned, chunks)),
+                    "pinned_grad_bytes": sum(map(pinned, grads)) if recipe != "eval" else 0,
                 }
             )
             if rank == 0:
@@ -387,80 +366,10 @@ def advice(cfg: Config, recipe: str, world_size: int, device_type: str, budget_g
     return out
 
 
-def table(report: dict) -> str:
-    gib = lambda n: f"{n / GIB:.2f}"  # noqa: E731
-    largest = report["max_micro_batch_size"]
-    state = report["state_bytes_per_rank"][0]
-    rows = [
-        ("recipe", report["recipe"]),
-        ("world size / FSDP units", f"{report['world_size']} / {report['fsdp_units']}"),
-        ("parameters (model)", f"{report['params']:,}"),
-        ("peak per rank, GiB", f"{report['peak_gib_per_rank']:.2f} + {report['reserve_gib']} reserve"),
-        *((f"  {name}, GiB", gib(report["breakdown_bytes"][name])) for name in report["breakdown_bytes"]),
-        ("GPU memory, GiB", f"{report['gpu_memory_gib']}"),
-        ("fits / headroom, GiB", f"{'yes' if report['fits'] else 'NO'} / {report['headroom_gib']:.2f}"),
-        *host_rows(report["host"]),
-        ("largest micro-batch that fits", "not measured (--quick)" if largest is None else largest),
-        (
-            "param / grad / optimizer bytes per rank",
-            "{:,} / {:,} / {:,}".format(
-                state["param_bytes"],
-                state["optimizer_bytes"] // 2,
-                state["optimizer_bytes"],
-            ),
-        ),
-        (
-            "all-gather / reduce-scatter bytes per step",
-            "{:,} / {:,}".format(
-                report["comm_bytes_per_step"]["all_gather_bytes"],
-                report["comm_bytes_per_step"]["reduce_scatter_bytes"],
-            ),
-        ),
-    ]
-    for alternative in report.get("alternatives", []):
-        if "error" in alternative:
-            rows.append((f"with {alternative['change']}", alternative["error"]))
-            continue
-        verdict = "fits" if alternative["fits"] else "does not fit"
-        rows.append((f"with {alternative['change']}", f"{alternative['peak_gib']:.2f} GiB, {verdict}"))
-    width = max(len(name) for name, _ in rows)
-    lines = [f"| {'':{width}} | estimate |", f"|{'-' * (width + 2)}|----------|"]
-    return "\n".join(lines + [f"| {name:{width}} | {value} |" for name, value in rows])
-
-
-def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--gpu-memory-gib", type=float, default=80.0)
-    parser.add_argument("--reserve-gib", type=float, default=3.0, help="CUDA context, NCCL, fragmentation")
-    parser.add_argument("--recipe", choices=["auto", "pretrain", "eval", "moe"], default="auto")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="the run to plan for")
-    parser.add_argument("--procs-per-node", type=int, default=8, help="ranks a node's host memory serves")
-    parser.add_argument(
-        "--host-reserve-gib", type=float, default=HOST_RESERVE_GIB, help="a rank's process before it loads"
-    )
-    parser.add_argument("--json", action="store_true", help="also print one JSON object on stdout")
-    parser.add_argument(
-        "--quick", action="store_true", help="one measurement: no largest micro-batch, no alternatives"
-    )
-    parser.add_argument("overrides", nargs="*", metavar="key=value")
-    args = parser.parse_args(argv)
-    if args.world_size < 1:
-        raise ConfigError(f"--world-size is {args.world_size}; give the number of GPUs, at least 1")
-    if args.procs_per_node < 1:
-        raise ConfigError(
-            f"--procs-per-node is {args.procs_per_node}; give the ranks a node runs, at least 1"
-        )
-    return args, load_config(args.config, args.overrides)
-
-
 def main(argv: list[str] | None = None) -> None:
-    args, cfg = parse(argv)
+    args, cfg = parse(argv, __doc__)
     offline_model(cfg)
-    recipe = pick_recipe(args.recipe, args.config, cfg, load_model_config(cfg.model))
+    recipe = pick_recipe(args.recipe, args.config, load_model_config(cfg.model))
     cfg.train.compile = False
     isolate_sharding_propagation()
     route_tokens_evenly()

@@ -1,6 +1,6 @@
-"""The host-memory half of scripts/estimate_memory.py: each rank's and each node's host RAM at load, in
-training, at a checkpoint and at export, from the rank's shards (measured on fake tensors there) and the
-paths common/weights.py, DCP and FSDP's offload take (docs/memory.md#host-memory)."""
+"""The host-memory half of scripts/estimate_memory.py: each rank's and each node's host RAM at load, at a
+resume, in training, at a checkpoint and at export, from the rank's shards (measured on fake tensors there)
+and the paths common/weights.py, DCP and FSDP's offload take (docs/memory.md#host-memory)."""
 
 from __future__ import annotations
 
@@ -13,24 +13,35 @@ from common.weights import export_dtype
 
 def host_plan(cfg: Config, recipe: str, device_type: str, shards: list[dict], training: dict) -> dict:
     """Each rank's host memory above what its process holds before it loads the weights, in bytes, at load,
-    in training, at a checkpoint and at export: what common/weights.py, DCP and FSDP's offload put on the
-    host (docs/memory.md#host-memory). `training`: rank 0's measured peak and host copies. Pages of the
-    files read and written are the page cache, the kernel's to drop, and not counted."""
+    at a resume, in training, at a checkpoint and at export: what common/weights.py, DCP and FSDP's offload
+    put on the host (docs/memory.md#host-memory). `training`: rank 0's measured peak and host copies. Pages
+    of the files read and written are the page cache, the kernel's to drop, and not counted."""
     fsdp, c, trains = cfg.fsdp, cfg.checkpoint, recipe != "eval"
     on_host = device_type == "cpu" or fsdp.cpu_offload  # where the sharded parameters and their state live
-    state = [s["param_bytes"] + s["trained_bytes"] + s["optimizer_bytes"] for s in shards]  # + gradients
+    # On a GPU, cpu_offload pins parameters and gradients (common/wrap.py): CUDA's pinned allocator rounds
+    # each block up to a power of two, and keeps the gradients' blocks cached after the step.
+    pins = fsdp.cpu_offload and device_type == "cuda"
+    params = [s["pinned_param_bytes"] if pins else s["param_bytes"] for s in shards]
+    # Between steps: the parameters, AdamW's state, and the gradients' pinned blocks; in a step, the gradients
+    between_steps = [p + s["optimizer_bytes"] + pins * s["pinned_grad_bytes"] for p, s in zip(params, shards)]
+    state = [n + (not pins) * s["trained_bytes"] for n, s in zip(between_steps, shards)]
     # Every tensor of a CPU run: rank 0's measured peak, less its state, plus each rank's (cpu_offload: the
     # peak counts no state). On a GPU, the activations' host copies (activation_checkpointing_offload).
     device_part = training["peak"] - (0 if fsdp.cpu_offload else state[0]) if device_type == "cpu" else 0
-    plan = {"load": [], "training": [], "checkpoint": [], "export": []}
+    plan = {"load": [], "resume": [], "training": [], "checkpoint": [], "export": []}
     for rank, s in enumerate(shards):
-        kept = s["param_bytes"] + s["optimizer_bytes"] if on_host else 0  # gradients are freed after a step
+        kept = between_steps[rank] if on_host else 0
         # DCP's HF reader copies each slice from the mapped file straight into the rank's own tensors, and
         # experts are fused a layer at a time from the rank's own; from_pretrained, for weights Transformers
         # converts otherwise as it loads, holds the whole model in fp32.
         whole = shards[0]["loads_whole"] and (rank == 0 or not fsdp.cpu_ram_efficient_loading)
         read = 4 * shards[0]["model_numel"] if cfg.model.name_or_path and whole else 0
-        plan["load"].append((s["param_bytes"] if on_host else 0) + read)
+        plan["load"].append((params[rank] if on_host else 0) + read)
+        # DCP reads the checkpoint one saved tensor at a time into the rank's own tensors. AdamW's state to
+        # read into is made first, by a step on zero gradients (torch's get_optimizer_state_dict): the
+        # parameters, their gradients (not pinned) and the state, at once.
+        state_read = params[rank] + s["trained_bytes"] + s["optimizer_bytes"]
+        plan["resume"].append(state_read if on_host and trains else 0)
         plan["training"].append(device_part + (state[rank] if on_host else 0) + training["host_copies_bytes"])
         # DCP copies each tensor of a file to the host and holds it until the file is written (async_save:
         # all of them, into its staging buffers); a LoRA checkpoint holds the adapters.
@@ -39,6 +50,12 @@ def host_plan(cfg: Config, recipe: str, device_type: str, shards: list[dict], tr
         exported = export_bytes(cfg, s, on_host, export_dtype(cfg, device_type).itemsize)
         plan["export"].append(kept + exported if trains and c.export else 0)
     return plan
+
+
+def pinned(nbytes: int) -> int:
+    """What CUDA's pinned-memory allocator takes for `nbytes`: a power of two (torch's CachingHostAllocator,
+    with PYTORCH_CUDA_ALLOC_CONF's pinned_max_round_threshold unset)."""
+    return 1 << (nbytes - 1).bit_length() if nbytes else 0
 
 
 def export_bytes(cfg: Config, s: dict, on_host: bool, out_bytes: int) -> int:
@@ -63,22 +80,10 @@ def host_report(plan: dict, args: argparse.Namespace) -> dict:
     procs = min(per_node, args.world_size)
     return {
         "reserve_gib": args.host_reserve_gib,
-        "procs_per_node": per_node,
+        "procs_per_node": procs,  # --procs-per-node, or the world if it is smaller
         "peak_gib_per_rank": (max(max(ranks) for ranks in plan.values()) + reserve) / GIB,
         "peak_gib_per_node": (max(node.values()) + procs * reserve) / GIB,
         "rank0_bytes": {phase: ranks[0] for phase, ranks in plan.items()},
         "bytes_per_rank": plan,
         "node_bytes": node,
     }
-
-
-def host_rows(host: dict) -> list[tuple[str, str]]:
-    gib = lambda n: f"{n / GIB:.2f}"  # noqa: E731
-    rank0, node = host["rank0_bytes"], host["node_bytes"]
-    phases = " / ".join(gib(rank0[phase]) for phase in rank0)
-    return [
-        ("host RAM per rank, GiB", f"{host['peak_gib_per_rank']:.2f} (with {host['reserve_gib']} reserve)"),
-        ("  load / training / checkpoint / export, GiB", phases),
-        (f"host RAM per node ({host['procs_per_node']} ranks), GiB", f"{host['peak_gib_per_node']:.2f}"),
-        ("  load / training / checkpoint / export, GiB", " / ".join(gib(node[phase]) for phase in node)),
-    ]

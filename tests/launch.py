@@ -212,8 +212,22 @@ def assert_same_weights(ours, theirs) -> int:
     return len(files)
 
 
+def host_memory_env(out, rank0_copy=None) -> dict[str, str]:
+    """What tests/with_host_memory.py reads: where its records go (`out`), and where rank 0 also writes the
+    gathered export, for contrast. glibc returns large blocks to the kernel, so a peak is what was live."""
+    env = {"MALLOC_MMAP_THRESHOLD_": "131072", "HOST_MEMORY_OUT": str(out)}
+    if rank0_copy is not None:
+        env["EXPORT_ON_RANK0_TOO"] = str(rank0_copy)
+    return env
+
+
 def anonymous_rise(path: str) -> float:
     """MiB: with_host_memory.py's peak anonymous memory over its start."""
     with open(path) as f:
         memory = json.load(f)
     return memory["peak"]["RssAnon"] - memory["before"]["RssAnon"]
+
+
+def anonymous_rises(out, window: str, world: int = 2) -> list[float]:
+    """MiB, per rank: anonymous_rise in with_host_memory.py's `window` (load, export, export_on_rank0)."""
+    return [anonymous_rise(f"{out}.{window}.rank{rank}.json") for rank in range(world)]

@@ -7,12 +7,26 @@ not from the estimator's tracker; the estimate plans the same CPU run (--device 
 
 import glob
 import json
+import math
 import os
 import sys
 
 import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from launch import REPO, estimate, event, losses, read_metrics, run, run_command, save_hf_llama, torchrun
+from launch import (
+    REPO,
+    estimate,
+    event,
+    host_memory_env,
+    losses,
+    read_metrics,
+    run,
+    run_command,
+    save_hf_llama,
+    torchrun,
+)
 
 DEBUG = os.path.join(REPO, "configs", "debug_llama.json")
 DEBUG_MOE = os.path.join(REPO, "configs", "debug_moe.json")
@@ -128,7 +142,8 @@ def test_a_change_moves_the_estimate_like_the_real_run(tmp_path, wide, change):
         assert 6 <= largest <= 10, f"largest micro-batch {largest} for the real peak at 8"
 
 
-PHASES = ("load", "train", "export")  # tests/with_host_memory.py's windows
+PHASES_OF_RUN = ("load", "train", "export")  # tests/with_host_memory.py's windows
+PHASES = ("load", "resume", "train", "export")  # and a resume's, in a run of its own
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +156,9 @@ def llama_63m(tmp_path_factory) -> str:
 def test_host_plan_matches_measured_memory(tmp_path, llama_63m, world):
     """The planner's host memory for a CPU run, each rank's above its process's own before the load, against
     the real run's (tests/with_host_memory.py), within 15%, rank by rank: at load (its share), in training
-    (every tensor, and the checkpoint of the last step) and at the FULL export (the trained state, and the
-    part file DCP's writer serializes)."""
+    (every tensor, and the checkpoint of the last step), at the FULL export (the trained state, and the
+    part file DCP's writer serializes), and when the run resumes from its checkpoint (the parameters, AdamW's
+    state and, for its first step, the gradients)."""
     overrides = [
         f"model.name_or_path={llama_63m}",
         "model.config={}",
@@ -158,21 +174,31 @@ def test_host_plan_matches_measured_memory(tmp_path, llama_63m, world):
         "pretrain_fsdp.py",
         ["--config", DEBUG, *overrides, "train.steps=2"],
         nproc=world,
-        extra_env={"MALLOC_MMAP_THRESHOLD_": "131072", "HOST_MEMORY_OUT": str(out)},
+        extra_env=host_memory_env(out),
+        wrapper="with_host_memory.py",
+    )
+    run(
+        "pretrain_fsdp.py",
+        ["--config", DEBUG, *overrides, "train.steps=3", "checkpoint.export=false"],  # resumes from step 2
+        nproc=world,
+        extra_env=host_memory_env(f"{out}-resumed"),
         wrapper="with_host_memory.py",
     )
     plan = estimate(DEBUG, world, *overrides, quick=True)["host"]["bytes_per_rank"]
     for rank in range(world):
-        load, training, export = (json.load(open(f"{out}.{what}.rank{rank}.json")) for what in PHASES)
+        load, training, export = (json.load(open(f"{out}.{what}.rank{rank}.json")) for what in PHASES_OF_RUN)
+        resume = json.load(open(f"{out}-resumed.resume.rank{rank}.json"))
         before = load["before"]  # MiB
         measured = {
             "load": load["peak"]["RssAnon"] - before["RssAnon"],
+            "resume": resume["peak"]["RssAnon"] - resume["before"]["RssAnon"],
             # the kernel's high-water mark: anonymous and file pages, the latter unchanged since the load
             "train": training["peak"]["Rss"] - before["RssAnon"] - before["RssFile"],
             "export": export["peak"]["RssAnon"] - before["RssAnon"],
         }
         planned = {
             "load": plan["load"][rank],
+            "resume": plan["resume"][rank],
             "train": max(plan["training"][rank], plan["checkpoint"][rank]),
             "export": plan["export"][rank],
         }
@@ -190,7 +216,22 @@ def test_host_plan_counts_the_offloaded_layer_inputs():
     model, data, train = (json.load(open(DEBUG))[key] for key in ("model", "data", "train"))
     layers, width = model["config"]["num_hidden_layers"], model["config"]["hidden_size"]
     assert host["training"] == layers * train["micro_batch_size"] * data["seq_len"] * width * 2
-    assert host["load"] == 0  # the weights go straight to the GPU
+    assert host["load"] == host["resume"] == 0  # the weights go straight to the GPU, one tensor at a time
+
+
+def test_host_plan_rounds_pinned_offload_up_to_powers_of_two():
+    """fsdp.cpu_offload on a GPU pins each rank's padded parameter chunks, and in training their gradients.
+    CUDA's pinned-memory allocator takes a power of two for each block and caches the freed ones (the GPU
+    check measured 1.26 times the bytes; memory.md#host-memory). AdamW's state is not pinned."""
+    host = estimate(DEBUG, 2, "fsdp.cpu_offload=true", device="cuda", quick=True)["host"]["rank0_bytes"]
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**json.load(open(DEBUG))["model"]["config"]))
+    chunks = [math.ceil(p.shape[0] / 2) * p[0].numel() * 4 for p in model.parameters()]  # rank 0's, fp32
+    pinned = sum(1 << (n - 1).bit_length() for n in chunks)
+    assert pinned > 1.1 * sum(chunks)
+    assert host["load"] == pinned
+    assert host["training"] == host["checkpoint"] == 2 * pinned + 2 * sum(chunks)
+    assert host["resume"] == pinned + 3 * sum(chunks)  # the zero gradients AdamW's state is made with
 
 
 AC = "fsdp.activation_checkpointing=true"

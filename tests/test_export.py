@@ -17,8 +17,10 @@ from launch import (
     REPO,
     TINY,
     anonymous_rise,
+    anonymous_rises,
     assert_same_weights,
     event,
+    host_memory_env,
     pretrain,
     run,
     run_command,
@@ -149,23 +151,17 @@ def test_each_rank_reads_and_writes_its_share_of_an_hf_checkpoint(tmp_path, big_
             f"model.name_or_path={big_hf_checkpoint}",
             "model.config={}",
             f"fsdp.cpu_ram_efficient_loading={efficient}",
-            extra_env={
-                "MALLOC_MMAP_THRESHOLD_": "131072",
-                "HOST_MEMORY_OUT": str(out),
-                "EXPORT_ON_RANK0_TOO": str(tmp_path / "export-on-rank0"),
-            },
+            extra_env=host_memory_env(out, rank0_copy=tmp_path / "export-on-rank0"),
             wrapper="with_host_memory.py",
         )
-        for rank in (0, 1):
-            rise = anonymous_rise(f"{out}.load.rank{rank}.json")
-            assert share_mib * 0.9 < rise <= share_mib + largest_mib + 16, (efficient, rank, rise)
+        for rise in anonymous_rises(out, "load"):
+            assert share_mib * 0.9 < rise <= share_mib + largest_mib + 16, (efficient, rise)
         losses.add(event(loaded, "final")["fixed_batch_loss"])
     [loss] = losses
     hf = LlamaForCausalLM.from_pretrained(big_hf_checkpoint).eval()
     assert fixed_batch_loss_of(hf, {}) == pytest.approx(loss, abs=1e-5)
-    for rank in (0, 1):
-        rise = anonymous_rise(f"{out}.export.rank{rank}.json")
-        assert rise <= share_mib + file_mib + 16, (rank, rise)
+    for rise in anonymous_rises(out, "export"):
+        assert rise <= share_mib + file_mib + 16, rise
     assert anonymous_rise(f"{out}.export_on_rank0.rank0.json") > 2 * share_mib
     assert assert_same_weights(tmp_path / "false" / "export", tmp_path / "export-on-rank0") == 5
 
@@ -185,17 +181,12 @@ def test_every_rank_writes_its_part_of_the_merged_lora_export(tmp_path, big_hf_c
         "lora.alpha=16",
         "lora.merge_on_export=true",
         "checkpoint.max_shard_size=100MB",
-        extra_env={
-            "MALLOC_MMAP_THRESHOLD_": "131072",
-            "HOST_MEMORY_OUT": str(out),
-            "EXPORT_ON_RANK0_TOO": str(tmp_path / "merged-on-rank0"),
-        },
+        extra_env=host_memory_env(out, rank0_copy=tmp_path / "merged-on-rank0"),
         wrapper="with_host_memory.py",
     )
     assert assert_same_weights(tmp_path / "lora" / "export", tmp_path / "merged-on-rank0") == 5
-    for rank in (0, 1):
-        rise = anonymous_rise(f"{out}.export.rank{rank}.json")
-        assert rise <= 2 * share_mib + 16, (rank, rise)
+    for rise in anonymous_rises(out, "export"):
+        assert rise <= 2 * share_mib + 16, rise
     assert anonymous_rise(f"{out}.export_on_rank0.rank0.json") > 2 * share_mib
     base = LlamaForCausalLM.from_pretrained(big_hf_checkpoint).state_dict()
     merged = LlamaForCausalLM.from_pretrained(tmp_path / "lora" / "export").state_dict()
@@ -291,8 +282,7 @@ def test_a_checkpoint_loaded_through_from_pretrained_is_read_by_rank0_alone_with
              f"model.name_or_path={tmp_path / 'qwen3_moe'}", "model.config={}",
              f"fsdp.cpu_ram_efficient_loading={efficient}"],
             nproc=2,
-            extra_env={"MALLOC_MMAP_THRESHOLD_": "131072", "HOST_MEMORY_OUT": str(out),
-                       "WEIGHTS_IO": "rank0"},
+            extra_env={**host_memory_env(out), "WEIGHTS_IO": "rank0"},
             wrapper="with_host_memory.py",
         )  # fmt: skip
         for rank in (0, 1):  # the kernel's high-water mark: the whole model lives only for a moment

@@ -1,19 +1,19 @@
-"""Test-only: a rank's host memory while it loads a new run's weights and while it exports, anonymous and
-file-mapped apart.
+"""Test-only: a rank's host memory while it loads a new run's weights (or resumes) and while it exports,
+anonymous and file-mapped apart.
 
     HOST_MEMORY_OUT=runs/x/mem torchrun --nproc_per_node 2 tests/with_host_memory.py scripts/pretrain_fsdp.py
 
 VmHWM counts the pages of a memory-mapped safetensors file that a rank has touched, which are the page cache,
 shared by a node's ranks and dropped under pressure; anonymous memory is what runs a host out of memory. A
 thread polls /proc/self/status every millisecond (a busy loop slowed the timed work threefold on 2 cores)
-while common.weights.load_or_init_weights runs, and while export_full runs
-(sampling once more each time DCP's writer has serialized a part file, the export's peak, which a poll could
-miss), and each rank writes {"before": {...}, "peak": {...}} (MiB of RssAnon, RssFile and RssShmem, and
-the kernel's high-water mark of the window as "Rss", which no poll can miss) to
-$HOST_MEMORY_OUT.load.rank<R>.json and $HOST_MEMORY_OUT.export.rank<R>.json. From the load's end to the
-export's start (training, its checkpoints, the final loss), the kernel's own high-water mark is read instead
-(VmHWM, reset through /proc/self/clear_refs as the window opens): no poll can miss a peak there, and no
-safetensors file is mapped then, so it rises with anonymous memory only. It goes to
+while common.weights.load_or_init_weights runs, while a resume's common.checkpoint.load_checkpoint runs, and
+while export_full runs (sampling once more each time DCP's writer has serialized a part file, the export's
+peak, which a poll could miss), and each rank writes {"before": {...}, "peak": {...}} (MiB of RssAnon,
+RssFile and RssShmem, and the kernel's high-water mark of the window as "Rss", which no poll can miss) to
+$HOST_MEMORY_OUT.load.rank<R>.json, .resume.rank<R>.json and .export.rank<R>.json. From the load's (or the
+resume's) end to the export's start (training, its checkpoints, the final loss), the kernel's own high-water
+mark is read instead (VmHWM, reset through /proc/self/clear_refs as the window opens): no poll can miss a
+peak there, and no safetensors file is mapped then, so it rises with anonymous memory only. It goes to
 $HOST_MEMORY_OUT.train.rank<R>.json as {"before": {"Rss": ...}, "peak": {"Rss": ...}}. With
 $EXPORT_ON_RANK0_TOO, the model is exported once more there, gathered to rank 0 and saved by it
 (export_on_rank0 below), measured as $HOST_MEMORY_OUT.export_on_rank0.rank<R>.json. Each record also has the
@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import lora, weights  # noqa: E402
+from common import checkpoint, lora, weights  # noqa: E402
 
 FIELDS = ("RssAnon", "RssFile", "RssShmem")  # pinned host memory (CUDA) shows as RssShmem
 SAMPLERS = []  # the open measurement's sample(), for the hook below
@@ -139,6 +139,13 @@ def load(*args, _original=weights.load_or_init_weights, **kwargs):
     TRAINING.open()
 
 
+def resume(*args, _original=checkpoint.load_checkpoint, **kwargs):
+    try:
+        return measure("resume", _original, *args, **kwargs)
+    finally:
+        TRAINING.open()  # a resumed run loads no weights (but a LoRA base): its training starts here
+
+
 def export_on_rank0(model, out_dir: str, tokenizer, dtype, cfg) -> None:
     """The FULL export as the recipes wrote it before every rank wrote its part: the model gathered to rank
     0 on CPU one tensor at a time (LoRA merged there), cast, and saved by save_pretrained."""
@@ -162,6 +169,7 @@ def export(model, out_dir, *args, _original=export_on_rank0 if BEFORE else weigh
 
 
 weights.load_or_init_weights, weights.export_full = load, export
+checkpoint.load_checkpoint = resume  # the scripts import it from common.checkpoint as they start
 safetensors.torch.save = serialized  # DCP's writer imports it as it writes
 if BEFORE:
     weights.checkpoint_layout = lambda model, path, ours: ({}, {}, "WEIGHTS_IO=rank0")

@@ -23,6 +23,7 @@ from launch import REPO, env, free_port
         ["reshard_rule.py", "--tiny"],
         ["ac_policy.py", "--tiny"],
         ["weights_io.py", "--tiny"],
+        ["export_write_once.py", "--tiny"],
         ["gpu_bench.py", "{tmp}", "--tiny"],
     ],
     ids=lambda args: args[0],

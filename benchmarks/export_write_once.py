@@ -1,0 +1,176 @@
+"""The FULL export written twice (today) or once: would gathering each output file to its writer be faster?
+
+    python benchmarks/export_write_once.py [--repeats 3] [--tiny]
+
+weights_io.py's 531M-parameter Llama, sharded by fully_shard over 1, 2 and 4 CPU ranks (random fp32 weights),
+exported in fp32, split at 1GB, two ways, alternating, `--repeats` times:
+
+- "DCP + consolidation": common/weights.export_full, as the recipes export. Every rank writes its shards as
+  part files (DCP's Hugging Face writer), then assembles its output files from them (torch's consolidation):
+  each byte is written twice.
+- "gather, write once": the design the recipes do not use. Each weight of output file i is gathered to rank
+  i mod world (dist.gather of the padded shards), which writes the file with safetensors' save_file, as
+  save_pretrained does, and checksums it for the manifest. On 1 rank this is save_pretrained's own write.
+
+Prints the median seconds, their range, and the ratio to "gather, write once" on 1 rank: one process writing
+the whole model once, the time the issue's goal compares against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.fsdp import fully_shard
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from benchmarks.weights_io import SIZE
+from common import manifest, weights
+from common.config import Config
+from tests.launch import run_command, tiny, torchrun
+
+PATHS = ("DCP + consolidation", "gather, write once")
+
+
+def write_once(model, out_dir: str, max_shard_size: str) -> float:
+    """Each output file's weights gathered whole to its writer, which writes them once; no rank holds more
+    than its shards plus the file it writes (and one weight's parts). Returns the seconds spent gathering."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state = model.state_dict()
+    meta = {name: torch.empty(p.shape, device="meta") for name, p in state.items()}
+    split = weights.save_pretrained_split(weights.saved_sources(model, meta)[0], max_shard_size)
+    tmp = f"{out_dir}.tmp"
+    os.makedirs(tmp, exist_ok=True)
+    files, own, gathering = sorted(split.filename_to_tensors), [], 0.0
+    for first in range(0, len(files), world):  # a round: file first + r gathered to rank r, then written
+        tensors = {}
+        for writer, file in enumerate(files[first : first + world]):
+            for key in split.filename_to_tensors[file]:
+                start = time.perf_counter()
+                whole = gather_to(state[key], writer)
+                gathering += time.perf_counter() - start
+                if rank == writer:
+                    tensors[key] = whole
+        if tensors:
+            file = files[first + rank]
+            save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
+            own.append(file)
+    every = [None] * world
+    dist.all_gather_object(every, manifest.describe(tmp, own))
+    dist.barrier()
+    return gathering
+
+
+def gather_to(weight, writer: int):
+    """The whole of a dim-0-sharded DTensor on rank `writer` (dist.gather: equal sizes, so padded)."""
+    shard, world = weight.to_local(), dist.get_world_size()
+    if world == 1:  # the whole tensor: written straight from the model, as save_pretrained does
+        return shard
+    rows = [len(c) for c in torch.empty(weight.shape[0], device="meta").chunk(world)]
+    rows += [0] * (world - len(rows))
+    if len(shard) < max(rows):
+        shard = torch.cat([shard, shard.new_zeros((max(rows) - len(shard), *shard.shape[1:]))])
+    parts = [torch.empty_like(shard) for _ in range(world)] if dist.get_rank() == writer else None
+    dist.gather(shard, parts, dst=writer)
+    return torch.cat([part[:n] for part, n in zip(parts, rows)]) if parts else None
+
+
+def same_tensors(ours: str, theirs: str) -> bool:
+    files = sorted(name for name in os.listdir(theirs) if name.endswith(".safetensors"))
+    if not files or sorted(name for name in os.listdir(ours) if name.endswith(".safetensors")) != files:
+        return False
+    for name in files:
+        with safe_open(os.path.join(ours, name), "pt") as a, safe_open(os.path.join(theirs, name), "pt") as b:
+            if sorted(a.keys()) != sorted(b.keys()):
+                return False
+            if not all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys()):
+                return False
+    return True
+
+
+def as_rank(work: str, repeats: int) -> None:
+    """Inside torchrun: shard the model, then time each path `repeats` times; rank 0 writes the times to
+    work/times.json."""
+    dist.init_process_group("gloo")
+    config = LlamaConfig(vocab_size=4096, num_key_value_heads=SIZE["num_attention_heads"], **SIZE)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    torch.manual_seed(dist.get_rank())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().normal_(0, 0.02)
+    cfg = Config()
+    cfg.checkpoint.max_shard_size = "1GB"
+    times = {path: [] for path in (*PATHS, "gathering")}
+    for repeat in range(repeats):
+        for path, out_dir in zip(PATHS, (f"{work}/dcp", f"{work}/once")):
+            dist.barrier()
+            start = time.perf_counter()
+            if path == PATHS[0]:
+                weights.export_full(model, out_dir, None, torch.float32, cfg)
+            else:
+                times["gathering"].append(write_once(model, out_dir, cfg.checkpoint.max_shard_size))
+            times[path].append(time.perf_counter() - start)
+            dist.barrier()
+        if dist.get_rank() == 0:
+            if repeat == 0:  # both wrote the same tensors, to the same files
+                assert same_tensors(f"{work}/dcp", f"{work}/once.tmp")
+            for name in (f"{work}/dcp", f"{work}/once.tmp"):
+                shutil.rmtree(name)
+    if dist.get_rank() == 0:
+        with open(f"{work}/times.json", "w") as f:
+            json.dump(times, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=1 if tiny() else 3)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--as-rank", metavar="WORK")
+    args = parser.parse_args()
+    if args.as_rank:
+        return as_rank(args.as_rank, args.repeats)
+    print(
+        "| ranks | export | median s | range s | / one process writing once | of which gathering, median s |"
+    )
+    print("|---|---|---|---|---|---|")
+    baseline = None
+    for world in (1, 2) if args.tiny else (1, 2, 4):
+        with tempfile.TemporaryDirectory() as work:
+            launch = [
+                *torchrun(world),
+                os.path.abspath(__file__),
+                "--as-rank",
+                work,
+                f"--repeats={args.repeats}",
+            ]
+            run_command(launch + (["--tiny"] if args.tiny else []), timeout=1800)
+            with open(f"{work}/times.json") as f:
+                times = json.load(f)
+        baseline = baseline or statistics.median(times[PATHS[1]])
+        for path in PATHS:
+            median = statistics.median(times[path])
+            spread = f"{min(times[path]):.2f} to {max(times[path]):.2f}"
+            gathering = f"{statistics.median(times['gathering']):.2f}" if path == PATHS[1] else "-"
+            print(f"| {world} | {path} | {median:.2f} | {spread} | {median / baseline:.2f} | {gathering} |")
+
+
+if __name__ == "__main__":
+    main()

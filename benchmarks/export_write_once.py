@@ -10,7 +10,8 @@ exported in fp32, split at 1GB, two ways, alternating, `--repeats` times:
   each byte is written twice.
 - "gather, write once": the design the recipes do not use. Each weight of output file i is gathered to rank
   i mod world (dist.gather of the padded shards), which writes the file with safetensors' save_file, as
-  save_pretrained does, and checksums it for the manifest. On 1 rank this is save_pretrained's own write.
+  save_pretrained does, and checksums it for the manifest; rank 0 writes the index. On 1 rank this is
+  save_pretrained's own write. The first repeat checks that both wrote the same files, index and tensors.
 
 Prints the median seconds, their range, and the ratio to "gather, write once" on 1 rank: one process writing
 the whole model once, the time the issue's goal compares against.
@@ -26,12 +27,12 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -39,7 +40,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from benchmarks.weights_io import SIZE
 from common import manifest, weights
 from common.config import Config
-from tests.launch import run_command, tiny, torchrun
+from tests.launch import assert_same_weights, run_command, tiny, torchrun
 
 PATHS = ("DCP + consolidation", "gather, write once")
 
@@ -69,6 +70,8 @@ def write_once(model, out_dir: str, max_shard_size: str) -> float:
             own.append(file)
     every = [None] * world
     dist.all_gather_object(every, manifest.describe(tmp, own))
+    if rank == 0 and split.is_sharded:
+        weights.write_index(model, tmp, split)
     dist.barrier()
     return gathering
 
@@ -85,19 +88,6 @@ def gather_to(weight, writer: int):
     parts = [torch.empty_like(shard) for _ in range(world)] if dist.get_rank() == writer else None
     dist.gather(shard, parts, dst=writer)
     return torch.cat([part[:n] for part, n in zip(parts, rows)]) if parts else None
-
-
-def same_tensors(ours: str, theirs: str) -> bool:
-    files = sorted(name for name in os.listdir(theirs) if name.endswith(".safetensors"))
-    if not files or sorted(name for name in os.listdir(ours) if name.endswith(".safetensors")) != files:
-        return False
-    for name in files:
-        with safe_open(os.path.join(ours, name), "pt") as a, safe_open(os.path.join(theirs, name), "pt") as b:
-            if sorted(a.keys()) != sorted(b.keys()):
-                return False
-            if not all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys()):
-                return False
-    return True
 
 
 def as_rank(work: str, repeats: int) -> None:
@@ -130,7 +120,7 @@ def as_rank(work: str, repeats: int) -> None:
             dist.barrier()
         if dist.get_rank() == 0:
             if repeat == 0:  # both wrote the same tensors, to the same files
-                assert same_tensors(f"{work}/dcp", f"{work}/once.tmp")
+                assert assert_same_weights(Path(work, "dcp"), Path(work, "once.tmp"))
             for name in (f"{work}/dcp", f"{work}/once.tmp"):
                 shutil.rmtree(name)
     if dist.get_rank() == 0:

@@ -1,20 +1,23 @@
-"""The FULL export written twice (today) or once: would gathering each output file to its writer be faster?
+"""The FULL export, three ways: written twice (the recipes' path until 2026-12-05), in place, or gathered.
 
     python benchmarks/export_write_once.py [--repeats 3] [--tiny]
 
 weights_io.py's 531M-parameter Llama, sharded by fully_shard over 1, 2 and 4 CPU ranks (random fp32 weights),
-exported in fp32, split at 1GB, two ways, alternating, `--repeats` times:
+exported in fp32, split at 1GB, three ways, one after another, `--repeats` times:
 
-- "DCP + consolidation": common/weights.export_full, as the recipes export. Every rank writes its shards as
-  part files (DCP's Hugging Face writer), then assembles its output files from them (torch's consolidation):
-  each byte is written twice.
-- "gather, write once": the design the recipes do not use. Each weight of output file i is gathered to rank
-  i mod world (dist.gather of the padded shards), which writes the file with safetensors' save_file, as
-  save_pretrained does, and checksums it for the manifest; rank 0 writes the index. On 1 rank this is
-  save_pretrained's own write. The first repeat checks that both wrote the same files, index and tensors.
+- "DCP + consolidation": the recipes' path before this one, kept here to compare. Every rank writes its
+  shards as part files (DCP's Hugging Face writer), then assembles its output files from them (torch's
+  consolidation): each byte is written twice.
+- "in place": common/weights.export_full, as the recipes export now. Rank 0 creates the output files with
+  their headers; DCP's save has every rank write its shards straight at their offsets there.
+- "gather, write once": each weight of output file i is gathered to rank i mod world (dist.gather of the
+  padded shards), which writes the file with safetensors' save_file, as save_pretrained does, and checksums
+  it for the manifest; rank 0 writes the index. On 1 rank this is save_pretrained's own write.
 
-Prints the median seconds, their range, and the ratio to "gather, write once" on 1 rank: one process writing
-the whole model once, the time the issue's goal compares against.
+Before each export, the dirty pages of the last are written back (os.sync), so none of them slows the next.
+The first repeat checks that all three wrote the same files, index and tensors. Prints the median seconds,
+their range, and the ratio to "gather, write once" on 1 rank: one process writing the whole model once, the
+time the issue's goal compares against.
 """
 
 from __future__ import annotations
@@ -33,7 +36,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
+from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+    consolidate_safetensors_files_on_every_rank,
+)
 from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -42,7 +50,30 @@ from common import manifest, weights
 from common.config import Config
 from tests.launch import assert_same_weights, run_command, tiny, torchrun
 
-PATHS = ("DCP + consolidation", "gather, write once")
+PATHS = ("DCP + consolidation", "in place", "gather, write once")
+
+
+def export_consolidated(model, out_dir: str, cfg: Config) -> None:
+    """The FULL export as the recipes wrote it until 2026-12-05 (dense, fp32, no LoRA): DCP's Hugging Face
+    writer puts each rank's shards in part files, then rank r assembles output files r, r + world, ... from
+    them with torch's consolidation (private in torch 2.13), and checksums them for the manifest."""
+    whole, state = weights.saved_state(model, model.state_dict(), torch.float32)
+    split = weights.save_pretrained_split(whole, cfg.checkpoint.max_shard_size)
+    order = sorted(split.filename_to_tensors)
+    file_of = {key: order.index(file) + 1 for key, file in split.tensor_to_filename.items()}
+    tmp, parts = f"{out_dir}.tmp", f"{out_dir}.tmp/parts"
+    writer = HuggingFaceStorageWriter(parts, file_of, thread_count=1, save_distributed=True)
+    writer.sync_files = False
+    dcp.save(state, storage_writer=writer)
+    consolidate_safetensors_files_on_every_rank(parts, tmp, file_of, num_threads=4)
+    own = [file for i, file in enumerate(order, 1) if i % dist.get_world_size() == dist.get_rank()]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, manifest.describe(tmp, own))
+    if dist.get_rank() == 0:
+        shutil.rmtree(parts)
+        os.remove(f"{tmp}/model.safetensors.index.json")  # torch's, in place of save_pretrained's
+        weights.write_index(model, tmp, split)
+    dist.barrier()
 
 
 def write_once(model, out_dir: str, max_shard_size: str) -> float:
@@ -106,22 +137,28 @@ def as_rank(work: str, repeats: int) -> None:
         for p in model.parameters():
             p.to_local().normal_(0, 0.02)
     cfg = Config()
-    cfg.checkpoint.max_shard_size = "1GB"
+    cfg.checkpoint.max_shard_size = "1MB" if tiny() else "1GB"  # several files either way
     times = {path: [] for path in (*PATHS, "gathering")}
+    written = (f"{work}/dcp.tmp", f"{work}/in-place", f"{work}/once.tmp")
     for repeat in range(repeats):
-        for path, out_dir in zip(PATHS, (f"{work}/dcp", f"{work}/once")):
+        for path, out_dir in zip(PATHS, (f"{work}/dcp", f"{work}/in-place", f"{work}/once")):
+            if dist.get_rank() == 0:
+                os.sync()  # each export starts with no dirty pages of the last one to write back
             dist.barrier()
             start = time.perf_counter()
             if path == PATHS[0]:
+                export_consolidated(model, out_dir, cfg)
+            elif path == PATHS[1]:
                 weights.export_full(model, out_dir, None, torch.float32, cfg)
             else:
                 times["gathering"].append(write_once(model, out_dir, cfg.checkpoint.max_shard_size))
             times[path].append(time.perf_counter() - start)
             dist.barrier()
         if dist.get_rank() == 0:
-            if repeat == 0:  # both wrote the same tensors, to the same files
-                assert assert_same_weights(Path(work, "dcp"), Path(work, "once.tmp"))
-            for name in (f"{work}/dcp", f"{work}/once.tmp"):
+            if repeat == 0:  # all three wrote the same tensors, to the same files
+                for other in written[1:]:
+                    assert assert_same_weights(Path(written[0]), Path(other))
+            for name in written:
                 shutil.rmtree(name)
     if dist.get_rank() == 0:
         with open(f"{work}/times.json", "w") as f:
@@ -154,11 +191,11 @@ def main() -> None:
             run_command(launch + (["--tiny"] if args.tiny else []), timeout=1800)
             with open(f"{work}/times.json") as f:
                 times = json.load(f)
-        baseline = baseline or statistics.median(times[PATHS[1]])
+        baseline = baseline or statistics.median(times[PATHS[2]])
         for path in PATHS:
             median = statistics.median(times[path])
             spread = f"{min(times[path]):.2f} to {max(times[path]):.2f}"
-            gathering = f"{statistics.median(times['gathering']):.2f}" if path == PATHS[1] else "-"
+            gathering = f"{statistics.median(times['gathering']):.2f}" if path == PATHS[2] else "-"
             print(f"| {world} | {path} | {median:.2f} | {spread} | {median / baseline:.2f} | {gathering} |")
 
 

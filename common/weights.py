@@ -15,10 +15,7 @@ import torch.distributed.checkpoint as dcp
 from huggingface_hub.serialization import StateDictSplit, split_state_dict_into_shards_factory
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
-from torch.distributed.checkpoint._consolidate_hf_safetensors import (
-    consolidate_safetensors_files_on_every_rank,
-)
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -38,10 +35,9 @@ from transformers.modeling_utils import remove_tied_weights_from_state_dict
 from common import experts, lora, manifest
 from common.config import Config, resolve_mixed_precision
 from common.model import init_weights
+from common.safetensors_writer import SafetensorsInPlace, safetensors_layout
 
-SAFE_WEIGHTS_NAME = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-ONE_FILE = "model-00001-of-00001.safetensors"  # torch's name for one consolidated file
 
 
 def save_config(out_dir: str, model_config, tokenizer) -> None:
@@ -192,44 +188,37 @@ def prepare_for_generation(model: nn.Module, tokenizer, from_scratch: bool) -> N
 
 
 def export_full(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype, cfg: Config) -> None:
-    """save_pretrained's layout, split at checkpoint.max_shard_size, every rank writing its part: DCP writes
-    each rank's own shards, cast to `dtype`, to part files; then rank r assembles output files r, r + world,
-    ... from them (torch's consolidation), so no rank holds more than its share plus one tensor. LoRA
-    adapters, if any, are merged into each rank's shards first. Expert weights Transformers fused on load
-    are split back per expert by its own converter, each rank writing its own experts."""
+    """save_pretrained's layout, split at checkpoint.max_shard_size, every rank writing its part: rank 0
+    creates each output file with its header, then DCP's save has each rank write its own shards, cast to
+    `dtype`, straight into their place in the files (SafetensorsInPlace), so no rank holds more than its
+    share plus one tensor, and each byte is written once. LoRA adapters, if any, are merged into each rank's
+    shards first. Expert weights Transformers fused on load are split back per expert by its own converter,
+    each rank writing its own experts."""
     state = get_model_state_dict(model)
     # With LoRA: the merged weights, under the base model's names, still sharded
     state = lora.merged(state, cfg.lora) if lora.has_adapters(model) else lora.base_state(state)
-    tmp, parts = f"{out_dir}.tmp", os.path.join(f"{out_dir}.tmp", "parts")
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
     whole, state = saved_state(model, state, dtype)
     split = save_pretrained_split(whole, cfg.checkpoint.max_shard_size)
-    order = sorted(split.filename_to_tensors)
-    file_of = {key: order.index(file) + 1 for key, file in split.tensor_to_filename.items()}
-    files = order if split.is_sharded else [ONE_FILE]  # torch's names: save_pretrained's, or 1 of 1
-    # One part file at a time: the writer holds a part file's bytes until it is written; four threads
-    # raised a rank's memory by 190 MiB against 98, for a share of 110 (docs/checkpoints.md#export).
-    writer = HuggingFaceStorageWriter(parts, file_of, thread_count=1, save_distributed=True)
-    writer.sync_files = False  # scratch files, deleted once assembled: no fsync (FileSystemWriter's own flag)
-    dcp.save(state, storage_writer=writer)
-    del state
-    # Private in torch 2.13, and it drops any key missing from file_of: file_of names every key.
-    consolidate_safetensors_files_on_every_rank(parts, tmp, file_of, num_threads=4)
-    own = [file for i, file in enumerate(files, 1) if i % dist.get_world_size() == dist.get_rank()]
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, manifest.describe(tmp, own))  # each rank checksums the files it wrote
+    files = split.filename_to_tensors  # one file: model.safetensors
+    tmp, (headers, offsets) = f"{out_dir}.tmp", safetensors_layout(whole, files)
     if dist.get_rank() == 0:
-        shutil.rmtree(parts)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        for file, (header, size) in headers.items():
+            with open(os.path.join(tmp, file), "wb") as f:
+                f.write(header)
+                f.truncate(size)
+    dist.barrier()  # the files exist before any rank writes into them
+    dcp.save(state, storage_writer=SafetensorsInPlace(tmp, offsets))
+    del state
+    own = [file for i, file in enumerate(sorted(files), 1) if i % dist.get_world_size() == dist.get_rank()]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, manifest.describe(tmp, own))  # each rank checksums a share of the files
+    if dist.get_rank() == 0:
         if split.is_sharded:
-            write_index(model, tmp, split)  # save_pretrained's, in place of torch's
-        else:  # save_pretrained's one file: model.safetensors, and no index
-            os.replace(os.path.join(tmp, ONE_FILE), os.path.join(tmp, SAFE_WEIGHTS_NAME))
-            os.remove(os.path.join(tmp, INDEX))
+            write_index(model, tmp, split)
         save_model_config(model, tmp, tokenizer, dtype)
-        known = {n: e for entries in every for n, e in entries.items()}
-        finish_export(tmp, out_dir, {SAFE_WEIGHTS_NAME if n == ONE_FILE else n: e for n, e in known.items()})
+        finish_export(tmp, out_dir, {n: e for entries in every for n, e in entries.items()})
     dist.barrier()
 
 

@@ -55,7 +55,7 @@ from common.architectures import init_buffers
 from common.config import Config, ConfigError, TrainConfig
 from common.data.batches import Batch
 from common.evaluate import score_shard
-from common.experts import loads_whole
+from common.experts import loads_whole, split_within_experts
 from common.mesh import build_dp_mesh, build_meshes
 from common.model import build_meta_model, load_model_config
 from common.moe import apply_tp_ep, build_moe_meshes, fsdp_meshes
@@ -308,6 +308,12 @@ def per_rank_shards(cfg: Config, recipe: str, world_size: int, device_type: str)
                     "numel": sum(t.numel() for t, _ in local),
                     "pinned_param_bytes": sum(map(pinned, chunks)),
                     "pinned_grad_bytes": sum(map(pinned, grads)) if recipe != "eval" else 0,
+                    # fused expert weights (3-D) that FSDP splits within experts: copied to the host at export
+                    "split_expert_numel": sum(
+                        p.to_local().numel()
+                        for p in model.parameters()
+                        if p.ndim == 3 and split_within_experts(p)
+                    ),
                 }
             )
             if rank == 0:

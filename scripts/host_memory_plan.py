@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from common import manifest
 from common.config import Config
 from common.ops.metrics import GIB
 from common.weights import export_dtype
@@ -62,12 +63,13 @@ def export_bytes(cfg: Config, s: dict, on_host: bool, out_bytes: int) -> int:
     """What common/weights.py's export holds on a rank's host besides the trained state."""
     if cfg.lora.r and not cfg.lora.merge_on_export:
         return 0  # the adapters, gathered: small
-    full = cfg.lora.r or cfg.fsdp.state_dict_type == "FULL_STATE_DICT"  # with LoRA: the merged model
-    if full:
-        # DCP's writer holds each part file's tensors on the host (copies from a GPU, casts, or the merged
-        # LoRA weights) and the file's bytes; the output files are then assembled through mmap (page cache).
-        part = s["numel"] * out_bytes
-        return part if on_host and part == s["param_bytes"] and not cfg.lora.r else 2 * part
+    if cfg.lora.r or cfg.fsdp.state_dict_type == "FULL_STATE_DICT":  # with LoRA: the merged model
+        # The rank's shards, merged (LoRA) and cast to export_dtype where the state lives, then written into
+        # the files one tensor at a time (not counted); where FSDP splits experts, the rank's own experts,
+        # gathered and copied to the host; the buffer the files' checksums read through.
+        merged = s["param_bytes"] if cfg.lora.r else 0
+        cast = s["numel"] * out_bytes if s["numel"] * out_bytes != s["param_bytes"] else 0
+        return (merged + cast if on_host else 0) + s["split_expert_numel"] * out_bytes + manifest.CHUNK
     return 0 if on_host else s["param_bytes"]  # SHARDED: DCP's host copies of the rank's shards
 
 

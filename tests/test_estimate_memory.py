@@ -156,8 +156,8 @@ def llama_63m(tmp_path_factory) -> str:
 def test_host_plan_matches_measured_memory(tmp_path, llama_63m, world):
     """The planner's host memory for a CPU run, each rank's above its process's own before the load, against
     the real run's (tests/with_host_memory.py), within 15%, rank by rank: at load (its share), in training
-    (every tensor, and the checkpoint of the last step), at the FULL export (the trained state, and the
-    part file DCP's writer serializes), and when the run resumes from its checkpoint (the parameters, AdamW's
+    (every tensor, and the checkpoint of the last step), at the FULL export (the trained state, written from
+    where it is), and when the run resumes from its checkpoint (the parameters, AdamW's
     state and, for its first step, the gradients)."""
     overrides = [
         f"model.name_or_path={llama_63m}",

@@ -18,8 +18,10 @@ from copy_along import ADDED_SINCE, REPO, SCRIPTS, by_part, common_modules, impo
 # Weights Transformers fuses from per-expert tensors, each rank reading and writing its own experts: their
 # keys and the export's split in common/weights.py, 25 (the rank-0 save gone: 13 less); the rest is
 # common/experts.py. The checks that span several keys then moved to common/ops/config_checks.py (110 less): a
-# reader skips them as they skip the type checks in common/ops/config_sources.py.
-CORE_LIMIT = 1675
+# reader skips them as they skip the type checks in common/ops/config_sources.py. Each rank then wrote its
+# shards in place in save_pretrained's files, through a DCP storage writer of our own (torch's writes every
+# byte twice and took 3.3x as long on 4 ranks): common/safetensors_writer.py and its use, 78.
+CORE_LIMIT = 1753
 
 
 def test_docs_layout_holds_the_copy_along_tables_of_this_code():
@@ -56,6 +58,11 @@ def python_files(*folders: str) -> list[str]:
         for root, _, files in os.walk(os.path.join(REPO, folder)):
             out += [os.path.relpath(os.path.join(root, f), REPO) for f in files if f.endswith(".py")]
     return sorted(out)
+
+
+CALLED_BY_LIBRARIES = {
+    "write_data"
+}  # common/safetensors_writer.py's, a DCP StorageWriter's: dcp.save calls it
 
 
 def public_definitions(tree: ast.Module) -> list[tuple[str, int]]:
@@ -97,6 +104,7 @@ def test_every_public_name_of_common_and_scripts_is_used_by_common_scripts_or_be
         with open(os.path.join(REPO, path)) as f:
             trees[path] = ast.parse(f.read())
     read = set().union(*(names_read(tree) for tree in trees.values()))
+    read |= CALLED_BY_LIBRARIES
     unused = [
         f"{path}:{line} {name}"
         for path, tree in trees.items()

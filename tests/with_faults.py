@@ -3,8 +3,8 @@
     FSDP2_RECIPES_FAULT=kill@13:1 torchrun --nproc_per_node=2 tests/with_faults.py scripts/pretrain_fsdp.py
 
 FSDP2_RECIPES_FAULT is `<point>@<step>[:<rank>]`: kill (after the step's update), save (inside its checkpoint
-write, before the rename: sync or background), export (inside the final export after that step: its parts
-written, not yet assembled into the output files), hang, nan (poisons the loss), grad (makes the step's
+write, before the rename: sync or background), export (inside the final export after that step: its files
+written, not yet indexed or renamed into place), hang, nan (poisons the loss), grad (makes the step's
 gradients NaN while its loss stays finite), or read (the resume's DCP read of checkpoint step-N fails with an
 I/O timeout, ETIMEDOUT, as a network filesystem's would). Each fires once per run directory, so a job that
 restarts gets past it. The patches wrap the loop helper's after_step, gradient clipping, DCP's save calls
@@ -33,7 +33,7 @@ SPEC = os.environ.get("FSDP2_RECIPES_FAULT", "")
 FAULT = re.fullmatch(r"(kill|save|export|hang|nan|grad|read)@(\d+)(?::(\d+))?", SPEC)
 RUN = {"dir": None, "step": None}  # the run directory and the step being trained, from the loop helper
 IN_WRITE = re.compile(r"step-(\d+)\.tmp$")
-IN_EXPORT = re.compile(r"export\.tmp/parts$")
+IN_EXPORT = re.compile(r"export\.tmp$")
 CHECKPOINT = re.compile(r"step-(\d+)$")
 
 

@@ -7,9 +7,9 @@ VmHWM counts the pages of a memory-mapped safetensors file that a rank has touch
 shared by a node's ranks and dropped under pressure; anonymous memory is what runs a host out of memory. A
 thread polls /proc/self/status every millisecond (a busy loop slowed the timed work threefold on 2 cores)
 while common.weights.load_or_init_weights runs, while a resume's common.checkpoint.load_checkpoint runs, and
-while export_full runs (sampling once more each time DCP's writer has serialized a part file, the export's
-peak, which a poll could miss), and each rank writes {"before": {...}, "peak": {...}} (MiB of RssAnon,
-RssFile and RssShmem, and the kernel's high-water mark of the window as "Rss", which no poll can miss) to
+while export_full runs (sampling once more as its writer starts, the export's peak, which a poll could
+miss), and each rank writes {"before": {...}, "peak": {...}} (MiB of RssAnon, RssFile and RssShmem, and
+the kernel's high-water mark of the window as "Rss", which no poll can miss) to
 $HOST_MEMORY_OUT.load.rank<R>.json, .resume.rank<R>.json and .export.rank<R>.json. From the load's (or the
 resume's) end to the export's start (training, its checkpoints, the final loss), the kernel's own high-water
 mark is read instead (VmHWM, reset through /proc/self/clear_refs as the window opens): no poll can miss a
@@ -35,13 +35,12 @@ import sys
 import threading
 import time
 
-import safetensors.torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import checkpoint, lora, weights  # noqa: E402
+from common import checkpoint, lora, safetensors_writer, weights  # noqa: E402
 
 FIELDS = ("RssAnon", "RssFile", "RssShmem")  # pinned host memory (CUDA) shows as RssShmem
 SAMPLERS = []  # the open measurement's sample(), for the hook below
@@ -125,13 +124,12 @@ class TrainingWindow:
 TRAINING = TrainingWindow()
 
 
-def serialized(*args, _original=safetensors.torch.save, **kwargs) -> bytes:
-    """safetensors' save, as DCP's writer calls it: one sample more the moment a part file's bytes exist,
-    with its tensors on the host, the export's peak, which a poll could miss."""
-    data = _original(*args, **kwargs)
+def writing(self, *args, _original=safetensors_writer.SafetensorsInPlace.write_data, **kwargs):
+    """The export's writer: one sample more as it starts, with the rank's shards cast (or merged) for it, the
+    export's peak, which a poll could miss."""
     for sample in SAMPLERS:
         sample()
-    return data
+    return _original(self, *args, **kwargs)
 
 
 def load(*args, _original=weights.load_or_init_weights, **kwargs):
@@ -170,7 +168,7 @@ def export(model, out_dir, *args, _original=export_on_rank0 if BEFORE else weigh
 
 weights.load_or_init_weights, weights.export_full = load, export
 checkpoint.load_checkpoint = resume  # the scripts import it from common.checkpoint as they start
-safetensors.torch.save = serialized  # DCP's writer imports it as it writes
+safetensors_writer.SafetensorsInPlace.write_data = writing
 if BEFORE:
     weights.checkpoint_layout = lambda model, path, ours: ({}, {}, "WEIGHTS_IO=rank0")
 script, sys.argv = sys.argv[1], sys.argv[1:]

@@ -1,0 +1,89 @@
+"""save_pretrained's safetensors files, written by every rank at once: rank 0 writes each file's header, and
+each rank writes its own chunks of the tensors straight at their offsets, through DCP's save."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+}
+
+
+def safetensors_layout(whole: dict, files: dict) -> tuple[dict, dict]:
+    """The headers save_file writes for `files` ({file: its keys}) of the tensors in `whole` (meta tensors,
+    one dtype), each file's tensors in the order of their names: {file: (its header, its size)}, and {key:
+    (its file, where its data starts there)}."""
+    headers, offsets = {}, {}
+    for file, keys in files.items():
+        header, end = {"__metadata__": {"format": "pt"}}, 0
+        for key in sorted(keys):
+            t = whole[key]
+            begin, end = end, end + t.numel() * t.element_size()
+            header[key] = dict(dtype=SAFETENSORS_DTYPES[t.dtype], shape=[*t.shape], data_offsets=[begin, end])
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+        headers[file] = (len(text).to_bytes(8, "little") + text, 8 + len(text) + end)
+        offsets |= {key: (file, 8 + len(text) + header[key]["data_offsets"][0]) for key in keys}
+    return headers, offsets
+
+
+class SafetensorsInPlace(FileSystemWriter):
+    """DCP's save into files whose headers are written: each rank writes the chunks DCP's planner gives it
+    (its shards; a replicated tensor, by one rank) at their offsets. Not torch's HuggingFaceStorageWriter:
+    its part files and then its consolidation (private in torch 2.13) write every byte twice, and took 3.3x
+    as long on 4 ranks (docs/performance.md#writing-the-export-once)."""
+
+    def __init__(self, path: str, offsets: dict[str, tuple[str, int]]) -> None:
+        super().__init__(path)
+        self.offsets = offsets
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        fds = {}
+        try:
+            for item in plan.items:
+                file, start = self.offsets[item.index.fqn]
+                if file not in fds:
+                    fds[file] = os.open(os.path.join(self.path, file), os.O_WRONLY)
+                tensor = planner.resolve_data(item).detach().cpu().contiguous()
+                data, done = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()), 0
+                for offset, length in chunk_ranges(item.tensor_data, tensor.element_size()):
+                    while length:  # pwrite may write less than asked
+                        n = os.pwrite(fds[file], data[done : done + length], start + offset)
+                        done, offset, length = done + n, offset + n, length - n
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        future = Future()
+        future.set_result([WriteResult(item.index, item.tensor_storage_size(), None) for item in plan.items])
+        return future
+
+    def finish(self, metadata, results) -> None:
+        pass  # no DCP metadata: the files are save_pretrained's
+
+
+def chunk_ranges(data: TensorWriteData, itemsize: int):
+    """The byte ranges (offset in the whole tensor's data, length) of a chunk of it, in the chunk's own order:
+    one range where the chunk spans whole rows (FSDP's dim-0 shards), else one per row of it."""
+    shape, offsets, sizes = data.size, data.chunk.offsets, data.chunk.sizes
+    if not shape:
+        yield 0, itemsize
+        return
+    k = len(shape) - 1  # the chunk is whole in the dims after k: each run spans dim k's part of them
+    while k > 0 and sizes[k] == shape[k]:
+        k -= 1
+    strides = [math.prod(shape[j + 1 :]) * itemsize for j in range(len(shape))]
+    for index in itertools.product(*(range(o, o + s) for o, s in zip(offsets[:k], sizes[:k]))):
+        yield sum(i * s for i, s in zip(index, strides)) + offsets[k] * strides[k], sizes[k] * strides[k]

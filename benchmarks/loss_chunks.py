@@ -29,7 +29,7 @@ VOCAB = 128_256
 
 def one_pass(hidden, weight, labels, chunk: int) -> None:
     if chunk:
-        loss, _correct = ChunkedCrossEntropy.apply(hidden, weight, labels, chunk, True)
+        loss, _correct = ChunkedCrossEntropy.apply(hidden, weight, None, labels, chunk, True)
     else:
         loss = F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="sum")
     loss.backward()

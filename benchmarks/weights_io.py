@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tests.launch import host_memory_env, pretrain, tiny
+from tests.launch import host_memory_env, pretrain, save_release, tiny
 
 SIZE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=10, num_attention_heads=16)
 if tiny():
@@ -36,7 +36,7 @@ def write_checkpoint(path: str) -> tuple[int, int]:
     config = LlamaConfig(vocab_size=4096, num_key_value_heads=SIZE["num_attention_heads"], **SIZE)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(path)
+    save_release(model, path)
     return sum(p.numel() for p in model.parameters()), max(p.numel() for p in model.parameters()) * 4
 
 

@@ -12,9 +12,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from transformers import PretrainedConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
 
 from common.config import ConfigError
+
+MODALITIES = ("vision", "visual", "image", "video", "audio", "speech", "vq", "codec")  # in sub-config names
 
 
 def check_causal_lm(hf_config: PretrainedConfig) -> None:
@@ -25,7 +27,18 @@ def check_causal_lm(hf_config: PretrainedConfig) -> None:
             f"model_type {model_type!r} is an encoder-decoder model; the recipes train decoder-only causal "
             f"LMs (AutoModelForCausalLM)"
         )
-    other = sorted(name for name in hf_config.sub_configs if name != "text_config")
+    # BERT-likes attend both ways unless is_decoder is true; GPT-NeoX's is_decoder is a leftover, unread.
+    encoder_family = (
+        hasattr(hf_config, "add_cross_attention") or type(hf_config) in MODEL_FOR_MASKED_LM_MAPPING
+    )
+    if getattr(hf_config, "is_decoder", None) is False and encoder_family:
+        raise ConfigError(
+            f"model_type {model_type!r} is an encoder (its config's is_decoder is false), which would train "
+            f"bidirectionally; the recipes train decoder-only causal LMs (set is_decoder=true in its config "
+            f"to train it as one)"
+        )
+    # DBRX's and MPT's attn_config and ffn_config are parts of a text model; a modality's config is not.
+    other = sorted(name for name in hf_config.sub_configs if any(word in name for word in MODALITIES))
     if other:
         raise ConfigError(
             f"model_type {model_type!r} is a multimodal model ({', '.join(other)}); the recipes train its "

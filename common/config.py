@@ -62,6 +62,9 @@ class TrainConfig:
     compile: bool = False  # torch.compile each transformer layer
     # The output layer and loss this many tokens at a time: no full-vocabulary logits (common/loss.py); 0: off
     loss_chunk_tokens: int = 1024
+    # Before step 1, the training and evaluation losses equal Transformers' own on rows of the data, or the
+    # run stops (common/ops/loss_check.py); false: skip that check
+    verify_loss_at_start: bool = True
     # Accelerate's sync_each_batch. false: reduce-scatter once per step, on the last micro-batch (fewer
     # collectives, more memory for unsharded gradients); true: after every micro-batch.
     sync_each_batch: bool = False

@@ -18,22 +18,24 @@ from common.wrap import reshard
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of `hidden @ weight.T` against `labels` (-100: no loss), chunk by chunk. The loss
-    ends the graph and is a scalar, so the gradients are computed in forward while each chunk's logits exist
-    (as Liger's fused kernel does) and backward only scales them: three matmuls per chunk, as on the plain
-    path, and no recompute. `with_grads=False` (evaluation) computes the loss alone. The second output counts
-    the tokens whose label is the logits' argmax (evaluation's accuracy)."""
+    """Summed cross-entropy of `hidden @ weight.T + bias` against `labels` (-100: no loss), chunk by chunk
+    (the bias is None for most heads; Phi, GPT-J and CodeGen train one). The loss ends the graph and is a
+    scalar, so the gradients are computed in forward while each chunk's logits exist (as Liger's fused kernel
+    does) and backward only scales them: three matmuls per chunk, as on the plain path, and no recompute.
+    `with_grads=False` (evaluation) computes the loss alone. The second output counts the tokens whose label
+    is the logits' argmax (evaluation's accuracy)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk: int, with_grads: bool):
+    def forward(ctx, hidden, weight, bias, labels, chunk: int, with_grads: bool):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.zeros((), dtype=torch.int64, device=hidden.device)
         # fp32 until backward scales them: chunk sums in bf16 lose precision (docs/performance.md).
         grad_hidden = torch.empty_like(hidden, dtype=torch.float32) if with_grads else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if with_grads else None
+        grad_bias = None if bias is None or not with_grads else torch.zeros_like(bias, dtype=torch.float32)
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            logits, target = F.linear(hidden[rows], weight).float(), labels[rows]
+            logits, target = F.linear(hidden[rows], weight, bias).float(), labels[rows]
             # The loss is log-sum-exp minus the label's logit, and the softmax is built in the logits' own
             # buffer: one logits-sized buffer per chunk, and no hidden temporaries that the planner's fake
             # tensors would miss (logsumexp's kernel makes one; F.cross_entropy holds a log-softmax).
@@ -50,31 +52,37 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             # shapes, so the planner's fake tensors run it.
             grad_logits = exp.div_(sum_exp)
             grad_logits.scatter_add_(1, target.clamp(min=0).unsqueeze(1), -keep.to(grad_logits.dtype))
-            grad_logits = grad_logits.mul_(keep).to(hidden.dtype)
+            grad_logits = grad_logits.mul_(keep)
+            if grad_bias is not None:
+                grad_bias += grad_logits.sum(dim=0)
+            grad_logits = grad_logits.to(hidden.dtype)
             grad_hidden[rows] = grad_logits @ weight
             if weight.dtype == torch.float32:
                 grad_weight.addmm_(grad_logits.t(), hidden[rows])
             else:
                 grad_weight += grad_logits.t() @ hidden[rows]
         ctx.dtypes = hidden.dtype, weight.dtype
-        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.mark_non_differentiable(correct)
         return total, correct
 
     @staticmethod
     def backward(ctx, grad_total, grad_correct):
-        grad_hidden, grad_weight = ctx.saved_tensors
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         if grad_hidden is None:
             raise RuntimeError("ChunkedCrossEntropy ran with with_grads=False; it has no gradients")
         hidden_dtype, weight_dtype = ctx.dtypes
         grad_hidden = grad_hidden.mul_(grad_total).to(hidden_dtype)
-        return grad_hidden, grad_weight.mul_(grad_total).to(weight_dtype), None, None, None
+        if grad_bias is not None:
+            grad_bias = grad_bias.mul_(grad_total).to(weight_dtype)
+        return grad_hidden, grad_weight.mul_(grad_total).to(weight_dtype), grad_bias, None, None, None
 
 
 def compute_loss_in_output_layer(model: nn.Module) -> None:
     """Let the output layer compute the chunked loss in its own forward while `head.loss_labels` is set: a
     new forward, not a wrapper module, so FSDP's hooks and the parameter names stay as they are. Call it on
-    the model on `meta`: it also checks, once, that the model returns its output layer's result unchanged."""
+    the model on `meta`: it also checks, once, that the model returns its output layer's result unchanged
+    (the planner's guess, on fake tensors; common/ops/loss_check.py proves it on real ones before step 1)."""
     head = model.get_output_embeddings()
     plain = head.forward
 
@@ -82,24 +90,36 @@ def compute_loss_in_output_layer(model: nn.Module) -> None:
         if head.loss_labels is None:
             return plain(hidden)
         wanted = head.loss_labels
-        with_grads = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+        leaves = (hidden, head.weight, head.bias)
+        with_grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
         hidden = hidden.flatten(0, -2)
         head.loss_sum, head.correct = ChunkedCrossEntropy.apply(
-            hidden, head.weight, wanted.labels, wanted.chunk, with_grads
+            hidden, head.weight, head.bias, wanted.labels, wanted.chunk, with_grads
         )
         return head.loss_sum  # Transformers returns it as `.logits`; token_loss_sum reads it from the head
 
     head.forward = forward
     head.loss_labels = head.loss_sum = head.correct = None
-    head.chunks_exact = architectures.returns_head_output(model)
-    if not head.chunks_exact and os.environ.get("RANK", "0") == "0":
+    head.use_chunked_loss = architectures.returns_head_output(model)
+    if not head.use_chunked_loss:
+        use_full_logits(model, "transforms its output layer's logits (a scale or soft-cap)")
+
+
+def use_full_logits(model: nn.Module, why: str) -> None:
+    """From now on training and evaluation take full logits: the chunked loss is not the model's."""
+    model.get_output_embeddings().use_chunked_loss = False
+    if os.environ.get("RANK", "0") == "0":
         print(
-            f"{type(model).__name__} transforms its output layer's logits (a scale or soft-cap), which the "
-            f"chunked loss cannot: training and evaluation take full logits (train.loss_chunk_tokens and "
-            f"eval.loss_chunk_tokens have no effect; docs/features.md#which-models)",
+            f"{type(model).__name__} {why}, which the chunked loss cannot: training and evaluation take full "
+            f"logits (train.loss_chunk_tokens and eval.loss_chunk_tokens have no effect; "
+            f"docs/features.md#which-models)",
             file=sys.stderr,
             flush=True,
         )
+
+
+class HeadResultChanged(RuntimeError):
+    """The model did something to its output layer's result, which the chunked loss replaced."""
 
 
 def token_loss_sum(
@@ -116,7 +136,7 @@ def token_loss_sum(
     vocab_split = "tp" in (getattr(getattr(head.weight, "device_mesh", None), "mesh_dim_names", None) or ())
     if chunk_tokens and not hasattr(head, "loss_labels"):
         raise RuntimeError("call compute_loss_in_output_layer(model) before token_loss_sum with chunks")
-    if not chunk_tokens or not head.chunks_exact or vocab_split:
+    if not chunk_tokens or not head.use_chunked_loss or vocab_split:
         logits = model(**inputs).logits.float().flatten(0, 1)
         labels = labels.flatten()
         summed = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
@@ -129,7 +149,7 @@ def token_loss_sum(
         finally:
             head.loss_labels = head.loss_sum = head.correct = None
         if returned is not summed:  # returns_head_output said otherwise: never a silently wrong loss
-            raise RuntimeError(
+            raise HeadResultChanged(
                 f"{type(model).__name__} changed its output layer's result; set loss_chunk_tokens=0"
             )
     if not torch.is_grad_enabled():

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 from transformers.utils import logging as hf_logging
 
-from common import architectures, cp
+from common import architectures, cp, quantized
 from common.config import ConfigError, ModelConfig
 
 
@@ -23,6 +23,7 @@ def load_model_config(cfg: ModelConfig, seq_len: int | None = None) -> Pretraine
     hf_logging.disable_progress_bar()
     hf_config = _read_model_config(cfg)
     architectures.check_causal_lm(hf_config)
+    quantized.check_quantization(hf_config, cfg.name_or_path)  # FP8 blocks dequantize as they load
     # No KV cache in training or evaluation: it costs memory, and with one Transformers stops detecting
     # packed sequences from restarting position ids.
     hf_config.use_cache = False

@@ -9,6 +9,7 @@ import math
 import os
 
 import torch
+from safetensors.torch import save
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData
 from torch.distributed.checkpoint.storage import WriteResult
@@ -19,17 +20,24 @@ SAFETENSORS_DTYPES = {
     torch.bfloat16: "BF16",
     torch.float16: "F16",
     torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
 }
 
 
 def safetensors_layout(whole: dict, files: dict) -> tuple[dict, dict]:
-    """The headers save_file writes for `files` ({file: its keys}) of the tensors in `whole` (meta tensors,
-    one dtype), each file's tensors in the order of their names: {file: (its header, its size)}, and {key:
-    (its file, where its data starts there)}."""
+    """The headers save_file writes for `files` ({file: its keys}) of the tensors in `whole` (meta tensors),
+    each file's tensors in save_file's order: {file: (its header, its size)}, and {key: (its file, where its
+    data starts there)}."""
+    order = save_file_order({t.dtype for t in whole.values()})
     headers, offsets = {}, {}
     for file, keys in files.items():
         header, end = {"__metadata__": {"format": "pt"}}, 0
-        for key in sorted(keys):
+        for key in sorted(keys, key=lambda key: (order[whole[key].dtype], key)):
             t = whole[key]
             begin, end = end, end + t.numel() * t.element_size()
             header[key] = dict(dtype=SAFETENSORS_DTYPES[t.dtype], shape=[*t.shape], data_offsets=[begin, end])
@@ -38,6 +46,15 @@ def safetensors_layout(whole: dict, files: dict) -> tuple[dict, dict]:
         headers[file] = (len(text).to_bytes(8, "little") + text, 8 + len(text) + end)
         offsets |= {key: (file, 8 + len(text) + header[key]["data_offsets"][0]) for key in keys}
     return headers, offsets
+
+
+def save_file_order(dtypes: set[torch.dtype]) -> dict[torch.dtype, int]:
+    """save_file writes a file's tensors by dtype (an order of its own, larger first; DeepSeek-V3's fp32
+    router weights before its bf16 layers), then by name: the dtypes' order, asked of save_file itself."""
+    dtypes = sorted(dtypes, key=str)
+    data = save({str(i): torch.zeros(1, dtype=dtype) for i, dtype in enumerate(dtypes)})
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    return {dtype: header[str(i)]["data_offsets"][0] for i, dtype in enumerate(dtypes)}
 
 
 class SafetensorsInPlace(FileSystemWriter):

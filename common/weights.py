@@ -3,7 +3,6 @@ init) and the final export. Written under `<name>.tmp` and renamed once complete
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -13,7 +12,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from huggingface_hub.serialization import StateDictSplit, split_state_dict_into_shards_factory
-from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import (
@@ -22,22 +20,17 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from transformers import AutoModelForCausalLM
-from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
-    WeightConverter,
-    WeightRenaming,
-    dot_natural_key,
-    rename_source_key,
+    build_glob_alternation,
     revert_weight_conversion,
 )
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-from common import experts, lora, manifest
+from common import experts, lora, manifest, quantized
+from common.checkpoint_layout import INDEX, checkpoint_layout, files_alone
 from common.config import Config, resolve_mixed_precision
 from common.model import init_weights
 from common.safetensors_writer import SafetensorsInPlace, safetensors_layout
-
-INDEX = "model.safetensors.index.json"
 
 
 def save_config(out_dir: str, model_config, tokenizer) -> None:
@@ -67,61 +60,29 @@ def load_hf_weights(
 ) -> None:
     """Fill a sharded model from an HF checkpoint. Each rank reads only the byte ranges of its own shards
     (DCP's Hugging Face reader), in place, so no rank holds more than its share plus one tensor; per-expert
-    weights Transformers fuses as it loads, only its own experts' (common/experts.py). With LoRA adapters the
-    checkpoint fills the base, under PEFT's names; the adapters are left to common/lora.py."""
+    weights Transformers fuses as it loads, only its own experts' (common/experts.py); FP8 blocks times their
+    scales (common/quantized.py). With LoRA adapters the checkpoint fills the base, under PEFT's names; the
+    adapters are left to common/lora.py."""
     ours = base_weights(model)
-    names, fused, why_not = checkpoint_layout(model, path, ours)
-    if why_not:
+    layout = checkpoint_layout(model, path, ours)
+    if layout.why_not:
         if dist.get_rank() == 0:
-            print(f"{path}: {why_not}; loading it whole through from_pretrained", file=sys.stderr)
+            print(f"{path}: {layout.why_not}; loading it whole through from_pretrained", file=sys.stderr)
         load_converted(model, path, broadcast_from_rank0, trust_remote_code)
         return
     # A tied weight's second name and the buffers missing from the files (which keep the values their
     # construction gave them, common/architectures.py, as from_pretrained's do) are left out.
-    wanted = {names[name]: tensor for name, tensor in ours.items() if name in names}
-    reader = HuggingFaceStorageReader(path, thread_count=4)  # files read at once per rank
-    dcp.load(wanted, storage_reader=reader)  # in place, into the model's own tensors
-    experts.load_own_experts(model, ours, fused)
+    wanted = {layout.names[name]: tensor for name, tensor in ours.items() if name in layout.names}
+    with files_alone(path, layout.files) as directory:
+        reader = HuggingFaceStorageReader(directory, thread_count=4)  # files read at once per rank
+        dcp.load(wanted, storage_reader=reader)  # in place, into the model's own tensors
+    experts.load_own_experts(model, ours, layout.fused)
+    quantized.dequantize_own_blocks(ours, layout.scales)
 
 
 def base_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict (its own tensors, local shards) under the base's names, adapters left out."""
     return lora.base_state(get_model_state_dict(model))
-
-
-def checkpoint_layout(model: nn.Module, path: str, ours: dict) -> tuple[dict, dict, str | None]:
-    """How the safetensors files fill `ours`, as from_pretrained reads them (Transformers' renames, such as
-    GPT-NeoX's embed_out for lm_head, and converters): {our name: its key in the files}; {our name:
-    (Transformers' converter, {source pattern: [(key, file)], in its order})} for weights it fuses from
-    per-expert tensors; and why the files cannot fill `ours` (None when they can): Transformers converts some
-    otherwise, or a name of ours, other than a buffer or a tied weight's second name, is not in them."""
-    located = {}
-    for file in glob.glob(os.path.join(path, "*.safetensors")):
-        with safe_open(file, framework="pt") as f:
-            located |= dict.fromkeys(f.keys(), file)
-    if not located:
-        return {}, {}, "it has no safetensors files"
-    transforms = get_model_conversion_mapping(model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
-    names, fused = {}, {}
-    for key in sorted(located, key=dot_natural_key):  # Transformers' order: expert 2 before expert 10
-        name, pattern = rename_source_key(key, renamings, converters)
-        if pattern is None:
-            names[name] = key
-        elif not experts.stacks_experts(by_pattern[pattern]):
-            return names, fused, f"Transformers converts {key!r} as it loads"
-        else:
-            _, sources = fused.setdefault(name, (by_pattern[pattern], {}))
-            sources.setdefault(pattern, []).append((key, located[key]))
-    aliases = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(parameter, []).append(lora.base_name(name))
-    skip = {name for same in aliases.values() if names.keys() & same for name in same}
-    skip |= {lora.base_name(name) for name, _ in model.named_buffers()}
-    missing = next((n for n in ours if n not in names and n not in fused and n not in skip), None)
-    return names, fused, missing and f"{missing} is not in its files"
 
 
 def load_converted(model: nn.Module, path: str, broadcast_from_rank0: bool, trust_remote_code: bool) -> None:
@@ -227,15 +188,29 @@ def saved_state(model: nn.Module, state: dict, dtype: torch.dtype) -> tuple[dict
     {key: a meta tensor of the whole weight} (saved_sources), and {key: this rank's tensor to write}: its
     shard of a weight, or the whole tensors of the experts its shard of a fused expert weight holds, split
     back by Transformers' converter."""
-    meta = {name: torch.empty(t.shape, dtype=dtype, device="meta") for name, t in state.items()}
+    dtypes = {name: saved_dtype(model, name, t, dtype) for name, t in state.items()}
+    meta = {name: torch.empty(t.shape, dtype=dtypes[name], device="meta") for name, t in state.items()}
     whole, keys_of = saved_sources(model, meta)
     mine = {}
     for name, keys in keys_of.items():
         if whole[keys[0]] is meta[name]:  # as it is: this rank's shard
-            mine[keys[0]] = state[name].to(dtype)
+            mine[keys[0]] = state[name].to(dtypes[name])
         else:  # a fused expert weight: experts 0..E-1 of each source
-            mine |= experts.own_experts(model, name, state[name], keys, dtype)
+            mine |= experts.own_experts(model, name, state[name], keys, dtypes[name])
     return whole, mine
+
+
+def saved_dtype(model: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """`dtype`, as Transformers keeps it: integer tensors as they are, and the modules a model keeps in fp32
+    (DeepSeek-V3's router weights and e_score_correction_bias in bf16 and fp16; more in fp16), by its own
+    patterns (its `_get_dtype_plan`, private, hence the rule again)."""
+    if not tensor.is_floating_point():
+        return tensor.dtype
+    kept = (
+        set(model._keep_in_fp32_modules_strict or ()) if dtype in (torch.float16, torch.bfloat16) else set()
+    )
+    kept |= set(model._keep_in_fp32_modules or ()) if dtype == torch.float16 else set()
+    return torch.float32 if kept and build_glob_alternation(sorted(kept))[0].search(name) else dtype
 
 
 def saved_sources(model: nn.Module, meta: dict) -> tuple[dict, dict]:

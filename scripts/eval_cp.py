@@ -40,6 +40,7 @@ from common.data.sft import is_sft
 from common.evaluate import evaluate
 from common.mesh import build_dp_mesh, gather, init_distributed, resolve_device
 from common.model import build_meta_model, load_model_config
+from common.ops import loss_check
 from common.ops.cli import parse_args, run_cli
 from common.ops.integrity import verify_model_checksums
 from common.ops.metrics import GIB, event_line, peak_memory_bytes, reset_peak_memory
@@ -126,7 +127,7 @@ def check_config(cfg: Config, world_size: int) -> str:
         )
     # A training run's config evaluates its checkpoints as it is: what only training reads is named once.
     training = {
-        "train": [key for key in vars(cfg.train) if key != "device"],
+        "train": [key for key in vars(cfg.train) if key not in ("device", "verify_loss_at_start")],
         "fsdp": [
             "activation_checkpointing",
             "ac_policy",
@@ -141,10 +142,8 @@ def check_config(cfg: Config, world_size: int) -> str:
         "eval": ["interval", "early_stopping_patience", "early_stopping_threshold"],
         "lora": [key for key in vars(cfg.lora) if key != "r"],
     }
-    if not cfg.data.tokenizer and os.path.exists(
-        os.path.join(cfg.model.name_or_path, "tokenizer_config.json")
-    ):
-        training["data"] = ["embedded_vocab_size"]  # the checkpoint's own tokenizer is used (main())
+    if cfg.data.tokenizer:
+        training["data"] = ["embedded_vocab_size"]  # a tokenizer of its own is used, not the embedded one
     unused = [
         f"{section}.{key}"
         for section, keys in training.items()
@@ -165,10 +164,6 @@ def main(argv: list[str] | None = None) -> None:
     attention = check_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     if p.cp_size > 1 or attention == "torch_cp":  # at cp 1, the model's own attention
         cfg.model.attn_implementation = cp.use_cp_attention(torch_cp=attention == "torch_cp")
-    if cfg.data.tokenizer is None and os.path.exists(
-        os.path.join(cfg.model.name_or_path, "tokenizer_config.json")
-    ):
-        cfg.data.tokenizer = cfg.model.name_or_path  # the tokenizer the checkpoint was trained with
     hf_config = load_model_config(cfg.model, seq_len)
     cp.check_cp(seq_len, p.cp_size, e.load_balance, hf_config)
     model = build_meta_model(hf_config, cfg.model)  # on `meta`: no memory yet
@@ -199,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         source, broadcast = cfg.model.name_or_path, cfg.fsdp.cpu_ram_efficient_loading
         load_hf_weights(model, source, broadcast, cfg.model.trust_remote_code)
+    # Before scoring: the evaluation loss is Transformers' own on the first held-out rows.
+    checked = loss_check.verify_loss_at_start(model, None, batches, d.device, cfg, None, attention)
     reset_peak_memory(d.device)
     loaded = gather(peak_memory_bytes(d.device) / GIB)  # right after the reset: what loading left behind
 
@@ -208,7 +205,11 @@ def main(argv: list[str] | None = None) -> None:
     results["tokens_per_s"] = results["tokens"] / (time.perf_counter() - start_time)
     layout = dict(sequences=len(rows.labels), seq_len=seq_len, cp_size=p.cp_size, dp_size=dp_size)
     results.update(
-        layout, attention=attention, load_balance=e.load_balance, mem_after_load_gib_per_rank=loaded
+        layout,
+        attention=attention,
+        load_balance=e.load_balance,
+        mem_after_load_gib_per_rank=loaded,
+        **checked,
     )
     results["peak_mem_gib_per_rank"] = gather(peak_memory_bytes(d.device) / GIB)
     if d.is_main:

@@ -54,6 +54,7 @@ from common.moe import (
     resolve_moe_sizes,
     router_load,
 )
+from common.ops import loss_check
 from common.ops.async_save import BackgroundSaves
 from common.ops.cli import parse_args, refuse_set_keys, run_cli
 from common.ops.integrity import verify_model_checksums
@@ -145,10 +146,13 @@ def train_step(
 
 @torch.no_grad()
 def fixed_batch_loss(model, data, loss_fn: MoeLoss, device, micro_batch: int) -> float:
-    """Mean answer-token loss on a fixed batch (the data's first rows): plain Transformers must reproduce it
-    from the export."""
-    batch = data.fixed_batch(micro_batch)
-    return (loss_fn(model, batch, device)[0] / (batch.labels != -100).sum()).item()
+    """Mean answer-token loss on a fixed batch (the data's first rows), in eval mode (no dropout): plain
+    Transformers must reproduce it from the export."""
+    batch, training = data.fixed_batch(micro_batch), model.training
+    model.eval()
+    summed = loss_fn(model, batch, device)[0]
+    model.train(training)
+    return (summed / (batch.labels != -100).sum()).item()
 
 
 def expert_layout(experts: list) -> dict:
@@ -285,9 +289,13 @@ def main(argv: list[str] | None = None) -> None:
     resume_from, state = load_or_set_aside(resume_from, c, load_checkpoint, model, optimizer, scheduler)
     start_step, samples = state.get("step", 0), state.get("samples", 0)  # samples: the data position
     loss_fn = MoeLoss(model, aux_loss_fn, num_experts, t, sizes.tp)
+    train_loss = lambda batch: loss_fn(model, batch, device)[0]  # the cross-entropy; the router loss is ours
+    checked = loss_check.verify_loss_at_start(model, data, held_out, device, cfg, train_loss)
 
     logger = MetricsLogger(cfg, d.is_main)
-    details = dict(resumed_from=resume_from, start_step=start_step, **moe_details(experts, loss_fn))
+    details = dict(
+        resumed_from=resume_from, start_step=start_step, **moe_details(experts, loss_fn), **checked
+    )
     logger.log(model_ready_record(model, device, cfg.fsdp, dense_mesh, **details, **sharding))
     step_log = StepLog(cfg, logger, start_step, device)  # no MFU: only the routed experts compute
     score = partial(evaluate, model, held_out, device, None, e.loss_chunk_tokens, replicas=sizes.tp)
@@ -316,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
                 break
 
     if stopping in (None, "early stopping"):
-        if c.load_best_model_at_end:  # the weights of the step with the lowest eval_loss
+        if c.load_best_model_at_end and stop.best_step is not None:  # the step with the lowest eval_loss
             load_trained_weights(os.path.join(checkpoints_dir(c.dir), f"step-{stop.best_step}"), model)
         fixed_loss = fixed_batch_loss(model, data, loss_fn, device, t.micro_batch_size)
         logger.log({**final_record(model, optimizer, device, fixed_loss), "step": t.steps})

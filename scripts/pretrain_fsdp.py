@@ -34,6 +34,7 @@ from common.data.held_out import held_out_batches
 from common.evaluate import evaluate
 from common.mesh import build_meshes, init_distributed, resolve_device, resolve_dp_sizes
 from common.model import build_meta_model, load_model_config
+from common.ops import loss_check
 from common.ops.async_save import BackgroundSaves
 from common.ops.cli import parse_args, refuse_set_keys, run_cli
 from common.ops.integrity import verify_model_checksums
@@ -109,16 +110,35 @@ def train_step(
 
 
 @torch.no_grad()
-def fixed_batch_loss(model, data, device, cp_state: cp.CpState | None, t: TrainConfig) -> float | None:
-    """Mean token loss on a fixed batch (the data's first rows), to check exports against; none for a
-    stream, which has no first rows that another run could rebuild."""
-    if not hasattr(data, "fixed_batch"):
-        return None
-    batch = data.fixed_batch(t.micro_batch_size)
-    summed = token_loss_sum(model, batch, device, cp_state, t.loss_chunk_tokens)
+def batch_loss_sum(
+    model, batch: Batch, device, cp_state: cp.CpState | None, chunk_tokens: int
+) -> torch.Tensor:
+    """Summed token loss over the whole batch: under CP, over every cp rank's positions."""
+    summed = token_loss_sum(model, batch, device, cp_state, chunk_tokens)
     if cp_state is not None:
         dist.all_reduce(summed, group=cp_state.group)  # each cp rank scored its own positions
+    return summed
+
+
+@torch.no_grad()
+def fixed_batch_loss(model, data, device, cp_state: cp.CpState | None, t: TrainConfig) -> float | None:
+    """Mean token loss on a fixed batch (the data's first rows), in eval mode (no dropout), to check exports
+    against; none for a stream, which has no first rows that another run could rebuild."""
+    if not hasattr(data, "fixed_batch"):
+        return None
+    batch, training = data.fixed_batch(t.micro_batch_size), model.training
+    model.eval()
+    summed = batch_loss_sum(model, batch, device, cp_state, t.loss_chunk_tokens)
+    model.train(training)
     return (summed / (batch.labels != -100).sum()).item()
+
+
+def verify_loss_at_start(model, data, held_out, device, cp_state: cp.CpState | None, cfg: Config) -> dict:
+    """Before step 1: this script's training and evaluation losses are Transformers' own on rows of its data
+    (common/ops/loss_check.py)."""
+    chunk = cfg.train.loss_chunk_tokens
+    train_loss = partial(batch_loss_sum, model, device=device, cp_state=cp_state, chunk_tokens=chunk)
+    return loss_check.verify_loss_at_start(model, data, held_out, device, cfg, train_loss)
 
 
 def check_config(cfg: Config, world_size: int) -> tuple[int, int, int]:
@@ -214,9 +234,10 @@ def main(argv: list[str] | None = None) -> None:
     # Trained weights, optimizer, scheduler, RNG and data position, resharded to this world size.
     resume_from, state = load_or_set_aside(resume_from, c, load_checkpoint, model, optimizer, scheduler, data)
     start_step, samples = state.get("step", 0), state.get("samples", 0)  # samples: the data position
+    checked = verify_loss_at_start(model, data, held_out, device, cp_state, cfg)  # the model's own loss
 
     logger = MetricsLogger(cfg, d.is_main)
-    details = dict(tp_size=p.tp_size, resumed_from=resume_from, start_step=start_step)
+    details = dict(tp_size=p.tp_size, resumed_from=resume_from, start_step=start_step, **checked)
     logger.log(model_ready_record(model, device, cfg.fsdp, mesh, **details, **sharding))
     step_log = StepLog(cfg, logger, start_step, device, flops_per_token(model, seq_len))
     score = partial(evaluate, model, held_out, device, cp_state, e.loss_chunk_tokens, replicas=p.tp_size)
@@ -245,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
                 break
 
     if stopping in (None, "early stopping"):
-        if c.load_best_model_at_end:  # the weights of the step with the lowest eval_loss
+        if c.load_best_model_at_end and stop.best_step is not None:  # the step with the lowest eval_loss
             load_trained_weights(os.path.join(checkpoints_dir(c.dir), f"step-{stop.best_step}"), model)
         logger.log(final_record(model, optimizer, device, fixed_batch_loss(model, data, device, cp_state, t)))
         if c.export:

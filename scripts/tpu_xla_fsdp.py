@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     # Every host builds the whole global batch (deterministic); each device keeps its slice of the batch dim.
     tokenizer, data = build_batches(cfg.data, t, dp_rank=0, dp_size=1, is_main=is_main)
     model = build_model(cfg)
-    check_vocab_size(len(tokenizer), model.config.vocab_size)
+    check_vocab_size(tokenizer, model.config.vocab_size)
     num_params = sum(p.numel() for p in model.parameters())
     model_flops = flops_per_token(model, cfg.data.seq_len)
     wrapped, checkpointed = wrap_plan(model, cfg.fsdp, cfg.fsdp.xla_fsdp_grad_ckpt)

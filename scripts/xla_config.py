@@ -67,6 +67,7 @@ UNUSED_KEYS = {
         if key not in ("interval", "early_stopping_patience")
     },
     "train.loss_chunk_tokens": "the XLA recipe's loss takes the full logits",
+    "train.verify_loss_at_start": "the XLA recipe's loss is full logits through the model's own forward",
     "train.device": "PJRT_DEVICE picks the device",
     "train.router_aux_loss_coef": "the XLA recipe trains dense models, which have no router",
     "fsdp.cpu_ram_efficient_loading": "each XLA host loads the whole checkpoint",

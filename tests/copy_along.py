@@ -25,10 +25,12 @@ PARTS = {"ops": "operations", "data": "data"}  # common/<folder>/; everything el
 # Core modules of the features that came after the restructure ("copy the lesson"), each its own module.
 ADDED_SINCE = (
     "common/architectures.py",
+    "common/checkpoint_layout.py",
     "common/evaluate.py",
     "common/experts.py",
     "common/lora.py",
     "common/manifest.py",
+    "common/quantized.py",
     "common/tp.py",
 )
 

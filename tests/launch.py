@@ -118,6 +118,60 @@ def write_short_documents(path, seed: int = 0) -> str:
     return str(path)
 
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% if m['role'] == 'assistant' %}<|eos|>"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def release_tokenizer():
+    """A tokenizer of the test releases' own, not the embedded one: byte-level BPE with 1,024 ids (pad 0,
+    bos 1, eos 2) and a chat template, trained on a fixed text, so every test builds the same one."""
+    import inspect
+    import json as text_source
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    sums = [f"{a}+{b}={a + b}" for a in range(0, 100, 3) for b in range(0, 100, 7)]
+    tok.train_from_iterator([*sums, *inspect.getsource(text_source).splitlines()], trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def save_release(model, path, **save_kwargs) -> str:
+    """A checkpoint as releases ship it: the weights and config, with a tokenizer of its own."""
+    model.save_pretrained(path, **save_kwargs)
+    release_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def plant_trained_biases(model, std: float = 0.1) -> None:
+    """Every bias non-zero, as in a trained checkpoint: Transformers initialises them at zero, which hides a
+    bias a recipe leaves out (or a bias buffer it casts)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    for name, parameter in model.named_parameters():
+        if name.endswith("bias"):
+            parameter.data.normal_(0.0, std, generator=generator)
+    for name, buffer in model.named_buffers():  # DeepSeek-V3's e_score_correction_bias, a saved buffer
+        if name.endswith("_bias") and buffer.is_floating_point():
+            buffer.normal_(0.0, std, generator=generator)
+
+
 def save_hf_llama(path, hidden_size: int, intermediate_size: int):
     """A random 6-layer Llama with a 4096-token vocabulary, as save_pretrained writes it: an HF checkpoint
     large enough for a memory figure to stand out."""
@@ -134,7 +188,7 @@ def save_hf_llama(path, hidden_size: int, intermediate_size: int):
         max_position_embeddings=256,
     )
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
+    save_release(LlamaForCausalLM(config), path)
     return path
 
 

@@ -1,9 +1,10 @@
 """Every decoder architecture in the matrix trains as exactly Transformers' model: after sharding and loading,
-every parameter and buffer is `from_pretrained`'s; the training loss, evaluate(), eval_cp.py and the
-fixed-batch loss are Transformers' own forward loss on the same tokens; LoRA trains on the same base; both
-exports load back with the trained loss. Tiny random checkpoints are made here (no downloads), with the
-logit transforms switched on at realistic values. One launch per world size runs every architecture
-(tests/arch_matrix.py)."""
+every parameter and buffer is `from_pretrained`'s; the training loss, evaluate(), eval_cp.py, the start-up
+check and the fixed-batch loss are Transformers' own forward loss on the same tokens; LoRA trains on the same
+base; both exports load back with the trained loss. Tiny random checkpoints are made here (no downloads), as
+releases ship them: every bias non-zero (Phi, GPT-J and CodeGen train one on the output layer), a tokenizer
+of their own, the logit transforms switched on at realistic values. One launch per world size runs every
+architecture (tests/arch_matrix.py)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from common.architectures import init_buffers
 from common.config import ConfigError, ModelConfig
 from common.model import build_meta_model, load_model_config
-from launch import estimate, event, read_metrics, run_command, torchrun
+from launch import estimate, event, plant_trained_biases, read_metrics, run_command, save_release, torchrun
 
 DENSE = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "granite"]
-DENSE += ["smollm3", "starcoder2", "gpt_neox", "cohere2", "glm4", "phi", "falcon"]
+DENSE += ["smollm3", "starcoder2", "gpt_neox", "cohere2", "glm4", "phi", "falcon", "gptj", "codegen"]
 # gpt_oss: attention sinks; qwen3_next: linear attention; deepseek_v3, glm4_moe: no auxiliary loss
 MOE = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss", "granitemoe", "qwen3_next"]
 MOE += ["deepseek_v3", "glm4_moe"]
@@ -44,6 +45,7 @@ TRANSFORMS = {
 MLA = dict(qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=16, q_lora_rank=16)
 EXPERTS = dict(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)
 PER_ARCH = {**TRANSFORMS, "deepseek_v3": {**MLA, **EXPERTS, "num_key_value_heads": 4}, "glm4_moe": EXPERTS}
+PER_ARCH |= {"gptj": dict(rotary_dim=8), "codegen": dict(rotary_dim=8)}  # RoPE on half of a 16-wide head
 TIED = {"qwen2", "gemma2", "gemma3_text", "phi3"}  # tied input and output embeddings, as their families ship
 ATOL = 1e-5
 
@@ -56,7 +58,8 @@ def matrix(tmp_path_factory) -> dict:
     for arch in DENSE + MOE:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
-        model.save_pretrained(checkpoints / arch)
+        plant_trained_biases(model)
+        save_release(model, checkpoints / arch)
     driver = os.path.join(os.path.dirname(__file__), "arch_matrix.py")
     for nproc in (1, 2):
         args = [str(root / f"ranks{nproc}"), str(checkpoints), *DENSE, *MOE]
@@ -148,6 +151,10 @@ def test_the_recipes_train_transformers_model_exactly(matrix, arch):
             fixed_loss = hf_loss(model, [fixed["batch"]])
             assert fixed["loss_sum"] / tokens == pytest.approx(fixed_loss, abs=ATOL), where
             assert fixed["evaluate"]["eval_loss"] == pytest.approx(fixed_loss, abs=ATOL), where
+            # The start-up check compared the recipe's losses with Transformers' own on the same rows
+            checked = event(read_metrics(run_dir(matrix, nproc, arch, run)), "model_ready")["loss_at_start"]
+            assert checked["transformers"] == pytest.approx(fixed_loss, abs=ATOL), where
+            assert checked["train"] == checked["eval"] == pytest.approx(fixed_loss, abs=ATOL), where
         # 1 rank = 2 ranks
         for run in runs:
             one, two = (read_metrics(run_dir(matrix, n, arch, run)) for n in (1, 2))
@@ -224,11 +231,20 @@ def test_attention_follows_the_model_and_a_bad_value_is_one_line(tmp_path):
         ("gemma3", r"'gemma3' is a multimodal model \(vision_config\).*'gemma3_text'"),
         ("llava", "'llava' is a multimodal model"),
         ("vit", "'vit' has no causal-LM head in Transformers"),
+        ("bert", r"'bert' is an encoder \(its config's is_decoder is false\)"),
+        ("roberta", "'roberta' is an encoder"),
+        ("gemma4", r"'gemma4' is a multimodal model \(audio_config, vision_config\)"),
     ],
 )
 def test_models_the_recipes_do_not_train_are_refused_naming_what_is_missing(model_type, says):
     with pytest.raises(ConfigError, match=says):
         load_model_config(ModelConfig(config={"model_type": model_type}))
+
+
+@pytest.mark.parametrize("model_type", ["dbrx", "mpt"])
+def test_text_models_with_sub_configs_are_not_called_multimodal(model_type):
+    """DBRX's and MPT's attn_config (and DBRX's ffn_config) are parts of a text model."""
+    assert load_model_config(ModelConfig(config={"model_type": model_type})).model_type == model_type
 
 
 def test_the_planner_plans_full_logits_for_a_model_that_transforms_them(tmp_path):

@@ -39,7 +39,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.config import Config  # noqa: E402
-from launch import REPO, TINY, env, write_short_documents  # noqa: E402
+from launch import REPO, TINY, env, save_release, write_short_documents  # noqa: E402
 
 MOE = os.path.join(REPO, "configs", "debug_moe.json")
 EVAL = os.path.join(REPO, "configs", "debug_eval_cp.json")
@@ -196,6 +196,7 @@ PRETRAIN = {
     "train.sync_each_batch": ProvenBy(  # one rank reduce-scatters nothing
         "tests/test_fsdp_keys.py::test_gradients_are_reduce_scattered_once_per_step_unless_sync_each_batch"
     ),
+    "train.verify_loss_at_start": Acts("false", differs(ready("loss_at_start"))),
     "train.device": Refused("cuda"),
     "train.stop_after": Acts("1", differs(lambda r: event(r, "stopped").get("step"))),
     "train.router_aux_loss_coef": Refused("0.01"),
@@ -325,6 +326,7 @@ MOE_TABLE = {
     "train.loss_chunk_tokens": ProvenBy(
         "tests/test_loss.py::test_moe_fine_tuning_with_the_chunked_head_equals_the_plain_head"
     ),
+    "train.verify_loss_at_start": Acts("false", differs(ready("loss_at_start"))),
     "train.router_aux_loss_coef": Acts("0.5", LOSSES),
     "fsdp.transformer_layer_cls_to_wrap": Acts(
         '["Qwen3MoeAttention", "Qwen3MoeSparseMoeBlock"]', differs(ready("fsdp_units"))
@@ -425,6 +427,7 @@ EVAL_TABLE = {
     ),
     "eval.attention": Refused("torch_cp"),  # on a CPU
     "lora.r": Refused("4"),
+    "train.verify_loss_at_start": Acts("false", differs(result("loss_at_start"))),
 }
 # Training keys, at a value other than the default: eval_cp.py names them in one line.
 TRAINING_ONLY = {
@@ -518,6 +521,7 @@ TPU_TABLE = {
     "train.compile": Refused("true"),
     "train.loss_chunk_tokens": Refused("0"),
     "train.sync_each_batch": Refused("true"),
+    "train.verify_loss_at_start": Refused("false"),
     "train.device": Refused("cpu"),
     "train.stop_after": ReadBy("StopRules"),
     "train.router_aux_loss_coef": Refused("0.01"),
@@ -670,7 +674,7 @@ def remote_code_checkpoint(path) -> str:
     with open(TINY) as f:
         sizes = json.load(f)["model"]["config"]
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**sizes)).save_pretrained(path)
+    save_release(LlamaForCausalLM(LlamaConfig(**sizes)), path)
     with open(path / "config.json") as f:
         config = json.load(f)
     config.update(model_type="remote_llama", architectures=["RemoteForCausalLM"])

@@ -25,6 +25,7 @@ from launch import (
     run,
     run_command,
     save_hf_llama,
+    save_release,
 )
 
 INDEX = "model.safetensors.index.json"
@@ -275,7 +276,7 @@ def test_a_checkpoint_loaded_through_from_pretrained_is_read_by_rank0_alone_with
         num_experts_per_tok=2, max_position_embeddings=256,
     )  # fmt: skip
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "qwen3_moe")
+    save_release(AutoModelForCausalLM.from_config(config), tmp_path / "qwen3_moe")
     model_mib = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters()) * 4 / 2**20
     rises = {}
     for efficient in ("true", "false"):

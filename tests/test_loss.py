@@ -17,17 +17,18 @@ PLAIN, CHUNKED = "train.loss_chunk_tokens=0", "train.loss_chunk_tokens=48"  # 12
 RUN = ["train.steps=3", "metrics.comm_stats=true"]
 
 
-def plain_and_chunked(hidden, weight, labels, dtype):
-    """Loss and (hidden, weight) gradients, plain and chunked, from the same leaves."""
+def plain_and_chunked(hidden, weight, labels, dtype, bias=None):
+    """Loss and (hidden, weight[, bias]) gradients, plain and chunked, from the same leaves."""
     out = []
     for chunked in (False, True):
-        h, w = hidden.clone().to(dtype).requires_grad_(), weight.clone().to(dtype).requires_grad_()
+        leaves = [t.clone().to(dtype).requires_grad_() for t in (hidden, weight, bias) if t is not None]
+        h, w, b = (*leaves, None)[:3]
         if chunked:
-            loss, _correct = ChunkedCrossEntropy.apply(h, w, labels, 64, True)
+            loss, _correct = ChunkedCrossEntropy.apply(h, w, b, labels, 64, True)
         else:
-            loss = F.cross_entropy(F.linear(h, w).float(), labels, ignore_index=-100, reduction="sum")
+            loss = F.cross_entropy(F.linear(h, w, b).float(), labels, ignore_index=-100, reduction="sum")
         loss.backward()
-        out.append((loss.double(), h.grad.double(), w.grad.double()))
+        out.append((loss.double(), *(leaf.grad.double() for leaf in leaves)))
     return out
 
 
@@ -42,6 +43,9 @@ def test_chunked_loss_and_gradients_equal_the_plain_path():
     labels[::7] = -100  # ignored tokens take no loss and give no gradient
     (plain, chunked) = plain_and_chunked(hidden, weight, labels, torch.float32)
     assert all(relative(c, p) <= 1e-6 for c, p in zip(chunked, plain))
+    # A head with a bias (Phi, GPT-J, CodeGen): the bias takes part in the loss and gets its gradient.
+    (plain, chunked) = plain_and_chunked(hidden, weight, labels, torch.float32, bias=torch.randn(1000))
+    assert len(chunked) == 4 and all(relative(c, p) <= 1e-6 for c, p in zip(chunked, plain))
     # bf16: each error against fp64 within 2x the plain path's (measured 1.0x and 1.3x).
     (truth,) = [plain_and_chunked(hidden, weight, labels, torch.float64)[0]]
     plain, chunked = plain_and_chunked(hidden, weight, labels, torch.bfloat16)

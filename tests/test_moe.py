@@ -26,6 +26,7 @@ from launch import (
     losses,
     read_metrics,
     run,
+    save_release,
     steps,
 )
 
@@ -83,8 +84,7 @@ def save_tiny(path, kind: str, experts: int = 8) -> str:
         )
     else:
         config = MixtralConfig(**TINY, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    return str(path)
+    return save_release(AutoModelForCausalLM.from_config(config), path)
 
 
 def finetune(run_dir, model_dir, *overrides, nproc=4, **kwargs) -> list[dict]:
@@ -252,7 +252,7 @@ def test_each_rank_reads_and_writes_only_its_experts(tmp_path):
     )
     model = AutoModelForCausalLM.from_config(config)
     numel, fused = model.num_parameters(), model.model.layers[0].mlp.experts.gate_up_proj.numel()
-    model.save_pretrained(tmp_path / "moe", max_shard_size="50MB")
+    save_release(model, tmp_path / "moe", max_shard_size="50MB")
     share_mib, fused_mib, file_mib = numel * 4 / 2 / 2**20, fused * 4 / 2**20, 50e6 / 2**20
     out = tmp_path / "mem"
     records = finetune(

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import checkpoint, lora, safetensors_writer, weights  # noqa: E402
+from common.checkpoint_layout import Layout  # noqa: E402
 
 FIELDS = ("RssAnon", "RssFile", "RssShmem")  # pinned host memory (CUDA) shows as RssShmem
 SAMPLERS = []  # the open measurement's sample(), for the hook below
@@ -170,6 +171,6 @@ weights.load_or_init_weights, weights.export_full = load, export
 checkpoint.load_checkpoint = resume  # the scripts import it from common.checkpoint as they start
 safetensors_writer.SafetensorsInPlace.write_data = writing
 if BEFORE:
-    weights.checkpoint_layout = lambda model, path, ours: ({}, {}, "WEIGHTS_IO=rank0")
+    weights.checkpoint_layout = lambda model, path, ours: Layout([], {}, {}, {}, "WEIGHTS_IO=rank0")
 script, sys.argv = sys.argv[1], sys.argv[1:]
 runpy.run_path(script, run_name="__main__")

@@ -89,13 +89,15 @@ def check_batch_sizes(t: TrainConfig, dp_size: int) -> None:
         )
 
 
-def check_vocab_size(tokenizer_size: int, vocab_size: int) -> None:
-    """Token ids past the embedding table would fail deep inside the first forward."""
-    if tokenizer_size > vocab_size:
+def check_vocab_size(tokenizer, vocab_size: int) -> None:
+    """Token ids past the embedding table would fail deep inside the first forward. The largest id, not the
+    count: added tokens can sit past the base vocabulary, leaving gaps."""
+    largest = max(max(tokenizer.get_vocab().values()), len(tokenizer) - 1)
+    if largest >= vocab_size:
         raise ConfigError(
-            f"the tokenizer has {tokenizer_size} tokens but the model's vocab_size is {vocab_size}; use the "
+            f"the tokenizer's ids reach {largest} but the model's vocab_size is {vocab_size}; use the "
             f"model's own tokenizer (data.tokenizer), or for a new model set model.config.vocab_size >= "
-            f"{tokenizer_size}"
+            f"{largest + 1}"
         )
 
 

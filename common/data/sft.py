@@ -197,7 +197,7 @@ def build_sft_batches(
     ensure_embedded_tokenizer(cfg, is_main)
     tokenizer = load_tokenizer(cfg)
     if vocab_size is not None:
-        check_vocab_size(len(tokenizer), vocab_size)
+        check_vocab_size(tokenizer, vocab_size)
     path = sft_rows_path(cfg, tokenizer, cfg.dataset, cfg.split, is_main)
     batches = SftBatches(path, 0, t.seed, t.global_batch_size, t.micro_batch_size, dp_rank, dp_size)
     return tokenizer, batches

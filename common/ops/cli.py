@@ -9,6 +9,7 @@ import os
 import sys
 
 from common.config import Config, ConfigError
+from common.data.batches import checkpoint_tokenizer
 from common.data.checks import check_split_keys
 from common.ops.config_sources import load_config
 from common.ops.fsdp1 import Translation
@@ -31,7 +32,10 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> Config:
     # before any work, on every rank: a damaged file is one line (checksums: verify_model_checksums)
     check_model_files(cfg.model)
     check_split_keys(cfg.data)
+    given, cfg.data.tokenizer = cfg.data.tokenizer, checkpoint_tokenizer(cfg.data, cfg.model)
     if os.environ.get("RANK", "0") == "0":
+        if given != cfg.data.tokenizer:
+            print(f"config: data.tokenizer is model.name_or_path's own ({cfg.data.tokenizer})", flush=True)
         if changes:
             print(
                 f"config: {len(changes)} value(s) changed by a more specific source: {'; '.join(changes)}",

@@ -1,0 +1,136 @@
+"""How a Hugging Face checkpoint's files fill a model, as from_pretrained reads them: the files it reads (the
+index's), Transformers' key renames and the weights it fuses from per-expert tensors, FP8 weights' scales, and
+the keys it would not use. Lists nothing: every rule is Transformers' own, asked of the model."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+
+from safetensors import safe_open
+from torch import nn
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import (
+    WeightConverter,
+    WeightRenaming,
+    dot_natural_key,
+    rename_source_key,
+)
+
+from common import experts, lora
+from common.config import ConfigError
+
+INDEX = "model.safetensors.index.json"
+SCALE_SUFFIX = "_scale_inv"  # FP8 weights: `<weight key>_scale_inv`, beside the weight
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The safetensors files from_pretrained reads: those the index names, else model.safetensors."""
+    index = os.path.join(path, INDEX)
+    if os.path.exists(index):
+        with open(index) as f:
+            return sorted({os.path.join(path, file) for file in json.load(f)["weight_map"].values()})
+    return [file for file in [os.path.join(path, "model.safetensors")] if os.path.exists(file)]
+
+
+@dataclasses.dataclass
+class Layout:
+    """How a checkpoint's files fill the model (checkpoint_layout)."""
+
+    files: list[str]
+    names: dict  # {our name: its key in the files}
+    fused: dict  # {our name: (Transformers' converter, {source pattern: [(key, file)], in its order})}
+    scales: dict  # FP8 weights: {our name: (its scales' key, their file)}
+    why_not: str | None  # why the files cannot fill the model; None when they can
+
+
+def checkpoint_layout(model: nn.Module, path: str, ours: dict) -> Layout:
+    """How the safetensors files fill `ours`, as from_pretrained reads them (Transformers' renames, such as
+    GPT-NeoX's embed_out for lm_head, and converters), and why they cannot: Transformers converts some
+    otherwise, or a name of ours, other than a buffer or a tied weight's second name, is not in them. A key
+    the model does not use, that Transformers would not ignore either, is one line."""
+    located, files = {}, checkpoint_files(path)
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            located |= {key: (file, f.get_slice(key).get_dtype()) for key in f.keys()}
+    layout = Layout(files, {}, {}, {}, None)
+    if not located:
+        layout.why_not = "it has no safetensors files"
+        return layout
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+    scale_keys = {}
+    for key in sorted(located, key=dot_natural_key):  # Transformers' order: expert 2 before expert 10
+        if key.endswith(SCALE_SUFFIX) and key.removesuffix(SCALE_SUFFIX) in located:
+            scale_keys[key.removesuffix(SCALE_SUFFIX)] = key
+            continue
+        name, pattern = rename_source_key(key, renamings, converters)
+        if pattern is None:
+            layout.names[name] = key
+        elif not experts.stacks_experts(by_pattern[pattern]):
+            layout.why_not = f"Transformers converts {key!r} as it loads"
+            return layout
+        else:
+            _, sources = layout.fused.setdefault(name, (by_pattern[pattern], {}))
+            sources.setdefault(pattern, []).append((key, located[key][0]))
+    for name, key in layout.names.items():
+        if key in scale_keys and located[key][1] == "F8_E4M3":
+            layout.scales[name] = (scale_keys.pop(key), located[key][0])
+    if scale_keys:  # packed FP4 weights, or experts that Transformers fuses
+        key = next(iter(scale_keys))
+        raise ConfigError(
+            f"model.name_or_path {path!r}: {key} ({located[key][1]}) has block scales, which the recipes "
+            f"dequantize only for F8_E4M3 weights of dense layers; dequantize it with Transformers first "
+            f"(from_pretrained with dtype=torch.bfloat16, then save_pretrained)"
+        )
+    aliases = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(parameter, []).append(lora.base_name(name))
+    skip = {name for same in aliases.values() if layout.names.keys() & same for name in same}
+    skip |= {lora.base_name(name) for name, _ in model.named_buffers()}
+    missing = next(
+        (n for n in ours if n not in layout.names and n not in layout.fused and n not in skip), None
+    )
+    if missing:  # from_pretrained then loads it, with its own word on any key it does not use
+        layout.why_not = f"{missing} is not in its files"
+        return layout
+    unused = [key for name, key in layout.names.items() if name not in ours and name not in skip]
+    unused = [key for key in unused if not ignored_on_load(model, key)]
+    if unused:
+        raise ConfigError(
+            f"model.name_or_path {path!r}: {located[unused[0]][0]} holds {unused[0]!r}"
+            f"{f' and {len(unused) - 1} more keys' if len(unused) > 1 else ''}, which "
+            f"{type(model).__name__} does not use (a scale or a part of another model?); give the checkpoint "
+            f"of this model, as from_pretrained would load it"
+        )
+    return layout
+
+
+def ignored_on_load(model: nn.Module, key: str) -> bool:
+    """Whether from_pretrained drops `key` without a word: the model's own patterns (DeepSeek-V3's
+    multi-token-prediction layer, say), and the RoPE and position buffers older checkpoints saved. Its
+    method for this is private, hence the patterns again."""
+    patterns = {*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())}
+    patterns |= {r"rotary_emb\.inv_freq", r"(^|\.)position_ids$"}
+    return any(re.search(pattern, key) for pattern in patterns)
+
+
+@contextlib.contextmanager
+def files_alone(path: str, files: list[str]) -> Iterator[str]:
+    """`path`, or where it holds other safetensors files too (Mistral's consolidated.safetensors beside the
+    shards), a directory of links to `files` alone: DCP's reader takes every file in its directory."""
+    if sorted(glob.glob(os.path.join(path, "*.safetensors"))) == sorted(files):
+        yield path
+        return
+    with tempfile.TemporaryDirectory() as directory:
+        for file in files:
+            os.symlink(os.path.abspath(file), os.path.join(directory, os.path.basename(file)))
+        yield directory

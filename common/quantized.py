@@ -1,0 +1,77 @@
+"""Quantized releases. Block-quantized FP8 (DeepSeek-V3's and Qwen3-FP8's layout: F8_E4M3 `weight` and an fp32
+`weight_scale_inv` per block) is dequantized as it loads, each rank its own rows and columns, exactly as
+Transformers' Fp8Dequantize does; the model trains and exports in plain floating point. Any other quantization
+is refused in one line: its dequantization is not this code's to guess."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+import torch
+from safetensors import safe_open
+from torch.distributed.tensor import DTensor
+from transformers import PretrainedConfig
+
+from common.config import ConfigError
+from common.experts import local_box
+
+
+def check_quantization(hf_config: PretrainedConfig, source: str | None) -> None:
+    """A block-quantized FP8 config is dropped (the model is built, trained and exported unquantized, its
+    weights dequantized as they load); any other quantization_config is one line."""
+    quantization = getattr(hf_config, "quantization_config", None)
+    if quantization is None:
+        return
+    quantization = quantization if isinstance(quantization, dict) else quantization.to_dict()
+    method = quantization.get("quant_method")
+    if (
+        method == "fp8"
+        and quantization.get("weight_block_size")
+        and quantization.get("fmt", "e4m3") == "e4m3"
+    ):
+        del hf_config.quantization_config
+        return
+    detail = "per-tensor FP8" if method == "fp8" else method
+    raise ConfigError(
+        f"model.name_or_path {source!r} is quantized ({detail}), which the recipes do not dequantize (only "
+        f"block-quantized FP8); dequantize it with Transformers first (from_pretrained with "
+        f"dtype=torch.bfloat16, then save_pretrained) and give that directory, or the unquantized release"
+    )
+
+
+def dequantize_own_blocks(ours: dict[str, torch.Tensor], scales: dict[str, tuple[str, str]]) -> None:
+    """`ours` holds each FP8 weight's values as read (fp8 to fp32 is exact); multiply this rank's rows and
+    columns in place by their blocks' scales, read for those blocks only. Transformers computes
+    `q.float() * scale` per element in fp32 too, so the result is its dequantization bit for bit.
+    `scales`: {our name: (the scale's key, its file)}."""
+    with ExitStack() as stack:
+        opened = {}
+        for name, (key, file) in scales.items():
+            shard = ours[name]
+            local = shard.to_local() if isinstance(shard, DTensor) else shard
+            if local.numel() == 0:
+                continue  # an empty shard (FSDP's padding)
+            if file not in opened:
+                opened[file] = stack.enter_context(safe_open(file, framework="pt"))
+            grid = opened[file].get_slice(key)
+            if grid.get_dtype() not in ("F32", "BF16", "F16"):  # MXFP8's E8M0 exponents, say
+                raise ConfigError(
+                    f"{file}: {key} holds {grid.get_dtype()} scales; only float scales dequantize"
+                )
+            (rows, cols), (grid_rows, grid_cols) = shard.shape[-2:], grid.get_shape()[-2:]
+            if shard.dim() != 2 or rows % grid_rows or cols % grid_cols:
+                raise ConfigError(
+                    f"{file}: {key} is a {grid_rows}x{grid_cols} grid of scales for a weight of shape "
+                    f"{list(shard.shape)}, which Transformers does not dequantize either"
+                )
+            block_rows, block_cols = rows // grid_rows, cols // grid_cols
+            r, c = local_box(shard)
+            first_row, first_col = r.start // block_rows, c.start // block_cols
+            blocks = grid[
+                first_row : (r.stop - 1) // block_rows + 1, first_col : (c.stop - 1) // block_cols + 1
+            ]
+            per_element = blocks.float().repeat_interleave(block_rows, 0).repeat_interleave(block_cols, 1)
+            skip_rows, skip_cols = r.start - first_row * block_rows, c.start - first_col * block_cols
+            local.mul_(
+                per_element[skip_rows : skip_rows + local.shape[0], skip_cols : skip_cols + local.shape[1]]
+            )

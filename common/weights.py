@@ -102,7 +102,7 @@ def load_converted(model: nn.Module, path: str, broadcast_from_rank0: bool, trus
     set_model_state_dict(model, full, options=options)
 
 
-def load_or_init_weights(model: nn.Module, cfg: Config, init_std: float) -> None:
+def load_or_init_weights(model: nn.Module, cfg: Config) -> None:
     """A new run's weights: a SHARDED export, an HF checkpoint, or a world-size-independent init; then,
     with LoRA, the adapters' initialisation."""
     source = cfg.model.name_or_path
@@ -111,7 +111,8 @@ def load_or_init_weights(model: nn.Module, cfg: Config, init_std: float) -> None
     elif source:
         load_hf_weights(model, source, cfg.fsdp.cpu_ram_efficient_loading, cfg.model.trust_remote_code)
     else:
-        init_weights(model, cfg.train.seed, init_std)
+        # OPT's, RWKV's and others' configs have no initializer_range: Transformers' own default then
+        init_weights(model, cfg.train.seed, getattr(model.config, "initializer_range", 0.02))
     if lora.has_adapters(model):
         lora.init_adapters(model, cfg.train.seed)
 

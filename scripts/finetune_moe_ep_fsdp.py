@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = build_optimizer(model, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
     if not resume_from:
-        load_or_init_weights(model, cfg, hf_config.initializer_range)
+        load_or_init_weights(model, cfg)
     # Weights, optimizer, scheduler and RNG, resharded to this world size; its train_state.
     resume_from, state = load_or_set_aside(resume_from, c, load_checkpoint, model, optimizer, scheduler)
     start_step, samples = state.get("step", 0), state.get("samples", 0)  # samples: the data position

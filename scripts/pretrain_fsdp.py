@@ -230,12 +230,11 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = build_optimizer(model, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
     if not resume_from or cfg.lora.r:  # a LoRA checkpoint holds the adapters; the base comes from here
-        load_or_init_weights(model, cfg, hf_config.initializer_range)
+        load_or_init_weights(model, cfg)
     # Trained weights, optimizer, scheduler, RNG and data position, resharded to this world size.
     resume_from, state = load_or_set_aside(resume_from, c, load_checkpoint, model, optimizer, scheduler, data)
     start_step, samples = state.get("step", 0), state.get("samples", 0)  # samples: the data position
-    checked = verify_loss_at_start(model, data, held_out, device, cp_state, cfg)  # the model's own loss
-
+    checked = verify_loss_at_start(model, data, held_out, device, cp_state, cfg)  # or it stops: step 0
     logger = MetricsLogger(cfg, d.is_main)
     details = dict(tp_size=p.tp_size, resumed_from=resume_from, start_step=start_step, **checked)
     logger.log(model_ready_record(model, device, cfg.fsdp, mesh, **details, **sharding))

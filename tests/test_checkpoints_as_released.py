@@ -17,9 +17,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 
 from common.checkpoint_layout import checkpoint_layout
 from common.config import ConfigError, DataConfig, ModelConfig
-from common.data.batches import checkpoint_tokenizer
 from common.data.checks import check_vocab_size
 from common.model import load_model_config
+from common.ops.cli import checkpoint_tokenizer
 from common.weights import base_weights
 from launch import REPO, event, plant_trained_biases, read_metrics, run, save_release, steps
 

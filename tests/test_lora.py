@@ -159,7 +159,7 @@ lora.add_adapters(model, cfg.lora, "cpu")
 apply_fsdp(model, build_dp_mesh("cpu", 1, 2), FsdpConfig(), "cpu")
 model.to_empty(device="cpu")
 init_buffers(model, torch.device("cpu"))
-load_or_init_weights(model, cfg, 0.02)
+load_or_init_weights(model, cfg)
 before = {{n: p.detach().to_local().clone() for n, p in model.named_parameters() if not p.requires_grad}}
 optimizer = build_optimizer(model, cfg, torch.device("cpu"))
 ids = torch.randint(0, 4000, (2, 32), generator=torch.Generator().manual_seed(dist.get_rank()))

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common.config import ConfigError, DataConfig, ModelConfig, TrainConfig
+from common.config import ConfigError, DataConfig, TrainConfig
 from common.data.checks import check_records, check_vocab_size, text_needs
 from common.data.embedded import (
     EMBEDDED_CORPUS,
@@ -61,22 +61,6 @@ def load_local(files: list[str], split: str, **kwargs):
 
 def file_fingerprint(files: list[str]) -> str:
     return json.dumps([(f, os.path.getsize(f), int(os.path.getmtime(f))) for f in files])
-
-
-def checkpoint_tokenizer(data: DataConfig, model: ModelConfig) -> str | None:
-    """data.tokenizer, or else model.name_or_path's own (the one it was trained with, as the Trainer, TRL and
-    axolotl take it); None (the embedded tokenizer) only for a model made from model.config."""
-    path = model.name_or_path
-    if data.tokenizer is not None or not path:
-        return data.tokenizer
-    if not os.path.isdir(path):  # a hub id: AutoTokenizer finds the tokenizer beside the weights
-        return path
-    if any(os.path.exists(os.path.join(path, name)) for name in ("tokenizer_config.json", "tokenizer.json")):
-        return path
-    raise ConfigError(
-        f"model.name_or_path {path!r} holds no tokenizer (no tokenizer_config.json or tokenizer.json) and "
-        f"data.tokenizer is unset; set data.tokenizer to the tokenizer the checkpoint was trained with"
-    )
 
 
 def load_tokenizer(cfg: DataConfig):

@@ -8,8 +8,7 @@ import contextlib
 import os
 import sys
 
-from common.config import Config, ConfigError
-from common.data.batches import checkpoint_tokenizer
+from common.config import Config, ConfigError, DataConfig, ModelConfig
 from common.data.checks import check_split_keys
 from common.ops.config_sources import load_config
 from common.ops.fsdp1 import Translation
@@ -44,6 +43,22 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> Config:
         if translation.line():
             print(translation.line(), flush=True)
     return cfg
+
+
+def checkpoint_tokenizer(data: DataConfig, model: ModelConfig) -> str | None:
+    """data.tokenizer, or else model.name_or_path's own (the one it was trained with, as the Trainer, TRL and
+    axolotl take it); None (the embedded tokenizer) only for a model made from model.config."""
+    path = model.name_or_path
+    if data.tokenizer is not None or not path:
+        return data.tokenizer
+    if not os.path.isdir(path):  # a hub id: AutoTokenizer finds the tokenizer beside the weights
+        return path
+    if any(os.path.exists(os.path.join(path, name)) for name in ("tokenizer_config.json", "tokenizer.json")):
+        return path
+    raise ConfigError(
+        f"model.name_or_path {path!r} holds no tokenizer (no tokenizer_config.json or tokenizer.json) and "
+        f"data.tokenizer is unset; set data.tokenizer to the tokenizer the checkpoint was trained with"
+    )
 
 
 def refuse_set_keys(cfg: Config, reasons: dict[str, str]) -> None:

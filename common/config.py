@@ -195,8 +195,8 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "no": "float32", "fp16":
 
 
 def class_names(value: list | str | None) -> list[str]:
-    if isinstance(value, str):
-        return [name.strip() for name in value.split(",") if name.strip()]
+    if isinstance(value, str):  # "A,B", or a list written without JSON's quotes: [A, B]
+        return [name.strip(" '\"") for name in value.strip(" []").split(",") if name.strip(" '\"")]
     return list(value or [])
 
 

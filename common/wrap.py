@@ -78,14 +78,15 @@ def split_experts_over(mesh: DeviceMesh):
 
 
 def resolve_layer_classes(model: nn.Module, fsdp: FsdpConfig) -> set[str]:
-    """transformer_layer_cls_to_wrap, or the model's `_no_split_modules` when empty; names must exist."""
+    """transformer_layer_cls_to_wrap, or the model's `_no_split_modules` when empty, or else the class of its
+    layer stack (BioGPT, CTRL and OpenAI-GPT name none); names must exist."""
     given = class_names(fsdp.transformer_layer_cls_to_wrap)
     names = set(given or getattr(model, "_no_split_modules", None) or [])
     present = {type(m).__name__ for m in model.modules()}
     if (
         not given
     ):  # a model's own list may name its multimodal sibling's classes (Qwen3.5-MoE's vision blocks)
-        names &= present
+        names = (names & present) or repeated_block(model)
     if missing := names - present:
         raise ConfigError(
             f"fsdp.transformer_layer_cls_to_wrap names {sorted(missing)}, not in this model; "
@@ -97,6 +98,13 @@ def resolve_layer_classes(model: nn.Module, fsdp: FsdpConfig) -> set[str]:
             f"name the layer class, one of: {', '.join(sorted(present))}"
         )
     return names
+
+
+def repeated_block(model: nn.Module) -> set[str]:
+    """The class of the longest ModuleList of one class with parameters: the decoder's layers."""
+    stacks = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len({type(c) for c in m}) == 1]
+    stacks = [m for m in stacks if len(m) and any(True for _ in m[0].parameters())]
+    return {type(max(stacks, key=len)[0]).__name__} if stacks else set()
 
 
 def _tied_parameter_owners(model: nn.Module) -> set[nn.Module]:

@@ -18,6 +18,7 @@ SLOWEST_FIRST = [
     "test_export.py",
     "test_moe.py",
     "test_architectures.py",
+    "test_checkpoints_as_released.py",
     "test_lora.py",
     "test_xla.py",
     "test_tp.py",

@@ -12,8 +12,8 @@ from transformers import LlamaConfig
 from common.architectures import init_buffers
 from common.config import ConfigError, FsdpConfig, ModelConfig
 from common.mesh import build_dp_mesh
-from common.model import build_meta_model, init_weights
-from common.wrap import apply_fsdp, reshard
+from common.model import build_meta_model, init_weights, load_model_config
+from common.wrap import apply_fsdp, reshard, resolve_layer_classes
 
 LAYERS = 3
 
@@ -182,3 +182,16 @@ def test_each_ac_policy_wraps_its_layers_and_gives_the_gradients_of_no_checkpoin
     assert checkpointed.keys() == plain.keys()
     for name, grad in plain.items():
         torch.testing.assert_close(checkpointed[name].full_tensor(), grad.full_tensor(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "model_type, layer", [("biogpt", "BioGptDecoderLayer"), ("ctrl", "EncoderLayer"), ("openai-gpt", "Block")]
+)
+def test_a_decoder_without_no_split_modules_wraps_its_layer_stack(model_type, layer):
+    """BioGPT, CTRL and OpenAI-GPT name no _no_split_modules: the class of their layer stack is wrapped, not
+    refused; a list given without JSON's quotes names its classes."""
+    cfg = ModelConfig(config={"model_type": model_type, "num_hidden_layers": 2, "n_layer": 2})
+    model = build_meta_model(load_model_config(cfg), cfg)
+    assert resolve_layer_classes(model, FsdpConfig()) == {layer}
+    given = FsdpConfig(transformer_layer_cls_to_wrap=f"[{layer}]")
+    assert resolve_layer_classes(model, given) == {layer}

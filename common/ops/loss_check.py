@@ -54,7 +54,7 @@ def verify_loss_at_start(
     device,
     cfg: Config,
     train_loss: Callable[[Batch], torch.Tensor] | None,
-    attention: str,
+    attention: str = "allgather",
 ) -> dict:
     """Before step 1: the recipe's training loss (`train_loss`; None: an evaluation recipe) and its
     evaluation loss are Transformers' own on the data's first rows; what it skips is said in one line.

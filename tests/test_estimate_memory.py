@@ -15,6 +15,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from common.config import DataConfig
+from common.data.embedded import embedded_tokenizer_dir, ensure_embedded_tokenizer
 from launch import (
     REPO,
     estimate,
@@ -159,6 +161,7 @@ def test_host_plan_matches_measured_memory(tmp_path, llama_63m, world):
     (every tensor, and the checkpoint of the last step), at the FULL export (the trained state, written from
     where it is), and when the run resumes from its checkpoint (the parameters, AdamW's
     state and, for its first step, the gradients)."""
+    ensure_embedded_tokenizer(DataConfig(), is_main=True)  # built once per cache; the test names it below
     overrides = [
         f"model.name_or_path={llama_63m}",
         "model.config={}",
@@ -168,6 +171,9 @@ def test_host_plan_matches_measured_memory(tmp_path, llama_63m, world):
         "fsdp.state_dict_type=FULL_STATE_DICT",
         "checkpoint.export=true",
         f"checkpoint.dir={tmp_path / 'run'}",
+        # The embedded tokenizer: the checkpoint's own (1,024 ids) tokenizes the corpus into more rows, whose
+        # freed heap the load then reuses (1 rank: 206 MiB measured for 240 planned).
+        f"data.tokenizer={embedded_tokenizer_dir(DataConfig())}",
     ]
     out = tmp_path / "memory"
     run(

@@ -125,9 +125,10 @@ def _layer_name(module: nn.Module) -> str:
 
 
 def _layers(model: nn.Module, layer_classes: set[str]) -> list[nn.Module]:
-    """Each transformer layer once: its CheckpointWrapper if it has one, never also the layer inside it."""
+    """Each transformer layer once: its CheckpointWrapper if it has one, never also the layer inside it. A
+    layer class inside another (Mamba's mixer in its block) comes first: fully_shard takes children first."""
     inside = {getattr(m, "_checkpoint_wrapped_module", None) for m in model.modules()}
-    return [m for m in model.modules() if _layer_name(m) in layer_classes and m not in inside]
+    return [m for m in _post_order(model) if _layer_name(m) in layer_classes and m not in inside]
 
 
 def _post_order(module: nn.Module):

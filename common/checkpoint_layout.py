@@ -48,6 +48,7 @@ class Layout:
     fused: dict  # {our name: (Transformers' converter, {source pattern: [(key, file)], in its order})}
     scales: dict  # FP8 weights: {our name: (its scales' key, their file)}
     why_not: str | None  # why the files cannot fill the model; None when they can
+    conversions: list = dataclasses.field(default_factory=list)  # Transformers' transforms its keys used
 
 
 def checkpoint_layout(model: nn.Module, path: str, ours: dict) -> Layout:
@@ -102,6 +103,7 @@ def checkpoint_layout(model: nn.Module, path: str, ours: dict) -> Layout:
     if missing:  # from_pretrained then loads it, with its own word on any key it does not use
         layout.why_not = f"{missing} is not in its files"
         return layout
+    layout.conversions = [t for t in transforms if t.was_used()]
     unused = [key for name, key in layout.names.items() if name not in ours and name not in skip]
     unused = [key for key in unused if not ignored_on_load(model, key)]
     if unused:

@@ -78,6 +78,9 @@ def load_hf_weights(
         dcp.load(wanted, storage_reader=reader)  # in place, into the model's own tensors
     experts.load_own_experts(model, ours, layout.fused)
     quantized.dequantize_own_blocks(ours, layout.scales)
+    # save_pretrained reverts only the renames that loading used, which from_pretrained keeps in this
+    # attribute (no public setter): so the export keeps the release's names (DeepSeek-V4's embed_tokens).
+    model._weight_conversions = layout.conversions
 
 
 def base_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -120,7 +123,11 @@ def load_or_init_weights(model: nn.Module, cfg: Config) -> None:
 def export_final(model: nn.Module, cfg: Config, tokenizer, device_type: str) -> str:
     """`<checkpoint.dir>/export`, per fsdp.state_dict_type; returns the path."""
     export_dir = os.path.join(cfg.checkpoint.dir, "export")
-    prepare_for_generation(model, tokenizer, from_scratch=not cfg.model.name_or_path)
+    source = cfg.model.name_or_path
+    if source and not is_sharded_export(source) and getattr(model, "_weight_conversions", None) is None:
+        # a resumed run loaded no HF weights: the release's renames, as load_hf_weights keeps them
+        model._weight_conversions = checkpoint_layout(model, source, base_weights(model)).conversions
+    prepare_for_generation(model, tokenizer, from_scratch=not source)
     dtype = export_dtype(cfg, device_type)
     adapters = lora.has_adapters(model)
     if adapters and not cfg.lora.merge_on_export:  # small: gathered to rank 0 whatever state_dict_type says

@@ -200,9 +200,13 @@ def test_a_decoder_without_no_split_modules_wraps_its_layer_stack(model_type, la
 def test_a_layer_class_inside_another_is_sharded_first_and_the_model_runs():
     """Mamba names its block and the mixer inside it: fully_shard takes the mixer first (a parent sharded
     first would own the mixer's parameters, and its forward would meet them sharded)."""
-    cfg = ModelConfig(config={"model_type": "mamba", "num_hidden_layers": 2, "hidden_size": 32, "vocab_size": 64})
+    cfg = ModelConfig(
+        config={"model_type": "mamba", "num_hidden_layers": 2, "hidden_size": 32, "vocab_size": 64}
+    )
     model = shard(build_meta_model(load_model_config(cfg), cfg))
     assert {"backbone.layers.0", "backbone.layers.0.mixer"} <= {u[0] for u in units(model)}
     model.to_empty(device="cpu")
-    loss = model(input_ids=torch.zeros(1, 8, dtype=torch.long), labels=torch.zeros(1, 8, dtype=torch.long)).loss
+    loss = model(
+        input_ids=torch.zeros(1, 8, dtype=torch.long), labels=torch.zeros(1, 8, dtype=torch.long)
+    ).loss
     loss.backward()

@@ -283,7 +283,7 @@ def test_the_export_keeps_the_releases_names_also_after_a_resume(tmp_path):
     source = release(tmp_path / "deepseek_v4", "deepseek_v4", q_lora_rank=16, qk_rope_head_dim=16)
     released = set(load_file(os.path.join(source, "model.safetensors")))
     run_dir = tmp_path / "run"
-    for steps in (1, 2):  # the second run resumes from the first one's checkpoint at step 1
-        assert finetune(run_dir, source, f"train.steps={steps}").returncode == 0
+    for last in (1, 2):  # the second run resumes from the first one's checkpoint at step 1
+        assert finetune(run_dir, source, f"train.steps={last}").returncode == 0
         assert set(load_file(run_dir / "export" / "model.safetensors")) == released
     assert any(r.get("resumed_from") for r in read_metrics(run_dir) if r.get("event") == "model_ready")

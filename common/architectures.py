@@ -12,7 +12,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from transformers import PretrainedConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    MODEL_FOR_MASKED_LM_MAPPING,
+)
 
 from common.config import ConfigError
 
@@ -39,6 +43,8 @@ def check_causal_lm(hf_config: PretrainedConfig) -> None:
         )
     # DBRX's and MPT's attn_config and ffn_config are parts of a text model; a modality's config is not.
     other = sorted(name for name in hf_config.sub_configs if any(word in name for word in MODALITIES))
+    if not other and type(hf_config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:  # Fuyu: image patches, no tower
+        other = ["an image-text model in Transformers"]
     if other:
         raise ConfigError(
             f"model_type {model_type!r} is a multimodal model ({', '.join(other)}); the recipes train its "

@@ -234,6 +234,7 @@ def test_attention_follows_the_model_and_a_bad_value_is_one_line(tmp_path):
         ("bert", r"'bert' is an encoder \(its config's is_decoder is false\)"),
         ("roberta", "'roberta' is an encoder"),
         ("gemma4", r"'gemma4' is a multimodal model \(audio_config, vision_config\)"),
+        ("fuyu", r"'fuyu' is a multimodal model \(an image-text model in Transformers\).*'persimmon'"),
     ],
 )
 def test_models_the_recipes_do_not_train_are_refused_naming_what_is_missing(model_type, says):

@@ -12,11 +12,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from transformers import PretrainedConfig
-from transformers.models.auto.modeling_auto import (
-    MODEL_FOR_CAUSAL_LM_MAPPING,
-    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
-    MODEL_FOR_MASKED_LM_MAPPING,
-)
+from transformers.models.auto import modeling_auto as auto
 
 from common.config import ConfigError
 
@@ -33,7 +29,7 @@ def check_causal_lm(hf_config: PretrainedConfig) -> None:
         )
     # BERT-likes attend both ways unless is_decoder is true; GPT-NeoX's is_decoder is a leftover, unread.
     encoder_family = (
-        hasattr(hf_config, "add_cross_attention") or type(hf_config) in MODEL_FOR_MASKED_LM_MAPPING
+        hasattr(hf_config, "add_cross_attention") or type(hf_config) in auto.MODEL_FOR_MASKED_LM_MAPPING
     )
     if getattr(hf_config, "is_decoder", None) is False and encoder_family:
         raise ConfigError(
@@ -43,7 +39,7 @@ def check_causal_lm(hf_config: PretrainedConfig) -> None:
         )
     # DBRX's and MPT's attn_config and ffn_config are parts of a text model; a modality's config is not.
     other = sorted(name for name in hf_config.sub_configs if any(word in name for word in MODALITIES))
-    if not other and type(hf_config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:  # Fuyu: image patches, no tower
+    if not other and type(hf_config) in auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:  # Fuyu: no tower
         other = ["an image-text model in Transformers"]
     if other:
         raise ConfigError(
@@ -51,7 +47,7 @@ def check_causal_lm(hf_config: PretrainedConfig) -> None:
             f"language model alone: give the text model's checkpoint or config (text_config's model_type "
             f"{getattr(getattr(hf_config, 'text_config', None), 'model_type', '?')!r})"
         )
-    if type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not getattr(hf_config, "auto_map", None):
+    if type(hf_config) not in auto.MODEL_FOR_CAUSAL_LM_MAPPING and not getattr(hf_config, "auto_map", None):
         raise ConfigError(
             f"model_type {model_type!r} has no causal-LM head in Transformers (AutoModelForCausalLM does "
             f"not know it); the recipes train decoder-only causal LMs"
@@ -70,7 +66,7 @@ def supported_attention(model_class: type) -> list[str]:
 
 def causal_lm_class(hf_config: PretrainedConfig) -> type | None:
     """Transformers' causal-LM class for the config; None for remote code."""
-    return MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
+    return auto.MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
 
 
 @torch.no_grad()

@@ -219,14 +219,13 @@ def load_checkpoint(
             )
     key = rng_key(saved)
     state, param_groups = tensor_state(model, optimizer, key)
-    # A parameter that had no gradient yet (DeepSeek-V4's compressor on short rows) had no optimizer state
-    # when saved; AdamW makes it on its first gradient, so it gets none here either, as in the saving run.
+    # A parameter with no gradient yet (DeepSeek-V4's compressor on short rows) has no AdamW state: nor here.
     had = {name.split(".", 1)[1].rsplit(".", 1)[0] for name in saved if name.startswith("optim.")}
     state["optim"] = {name: value for name, value in state["optim"].items() if name in had}
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"], options=INTO_TRAINED)
-    optim = {"state": state["optim"], "param_groups": param_groups}
-    set_optimizer_state_dict(model, optimizer, optim, options=StateDictOptions(strict=False))  # those: none
+    optim, no_state = {"state": state["optim"], "param_groups": param_groups}, StateDictOptions(strict=False)
+    set_optimizer_state_dict(model, optimizer, optim, options=no_state)
     rng = state["rng"][key]
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():

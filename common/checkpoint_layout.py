@@ -116,6 +116,14 @@ def checkpoint_layout(model: nn.Module, path: str, ours: dict) -> Layout:
     return layout
 
 
+def keep_release_names(model: nn.Module, path: str, ours: dict) -> None:
+    """save_pretrained reverts only the renames that loading used, which from_pretrained keeps in this
+    attribute (no public setter), so the export keeps the release's names (DeepSeek-V4's embed_tokens, not
+    the original format's embed). load_hf_weights sets it; a resumed run, which loaded no HF weights, here."""
+    if getattr(model, "_weight_conversions", None) is None:
+        model._weight_conversions = checkpoint_layout(model, path, ours).conversions
+
+
 def ignored_on_load(model: nn.Module, key: str) -> bool:
     """Whether from_pretrained drops `key` without a word: the model's own patterns (DeepSeek-V3's
     multi-token-prediction layer, say), and the RoPE and position buffers older checkpoints saved. Its

@@ -27,7 +27,7 @@ from transformers.core_model_loading import (
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from common import experts, lora, manifest, quantized
-from common.checkpoint_layout import INDEX, checkpoint_layout, files_alone
+from common.checkpoint_layout import INDEX, checkpoint_layout, files_alone, keep_release_names
 from common.config import Config, resolve_mixed_precision
 from common.model import init_weights
 from common.safetensors_writer import SafetensorsInPlace, safetensors_layout
@@ -58,11 +58,9 @@ def move_into_place(tmp: str, final: str) -> None:
 def load_hf_weights(
     model: nn.Module, path: str, broadcast_from_rank0: bool, trust_remote_code: bool = False
 ) -> None:
-    """Fill a sharded model from an HF checkpoint. Each rank reads only the byte ranges of its own shards
-    (DCP's Hugging Face reader), in place, so no rank holds more than its share plus one tensor; per-expert
-    weights Transformers fuses as it loads, only its own experts' (common/experts.py); FP8 blocks times their
-    scales (common/quantized.py). With LoRA adapters the checkpoint fills the base, under PEFT's names; the
-    adapters are left to common/lora.py."""
+    """Fill a sharded model from an HF checkpoint: each rank reads only its own shards' bytes, in place (DCP's
+    HF reader), so it holds its share plus one tensor; of fused experts, its own (common/experts.py); FP8
+    blocks times their scales (common/quantized.py). With LoRA, the base, under PEFT's names."""
     ours = base_weights(model)
     layout = checkpoint_layout(model, path, ours)
     if layout.why_not:
@@ -78,9 +76,9 @@ def load_hf_weights(
         dcp.load(wanted, storage_reader=reader)  # in place, into the model's own tensors
     experts.load_own_experts(model, ours, layout.fused)
     quantized.dequantize_own_blocks(ours, layout.scales)
-    # save_pretrained reverts only the renames that loading used, which from_pretrained keeps in this
-    # attribute (no public setter): so the export keeps the release's names (DeepSeek-V4's embed_tokens).
-    model._weight_conversions = layout.conversions
+    model._weight_conversions = (
+        layout.conversions
+    )  # the export's names (checkpoint_layout.keep_release_names)
 
 
 def base_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -123,11 +121,9 @@ def load_or_init_weights(model: nn.Module, cfg: Config) -> None:
 def export_final(model: nn.Module, cfg: Config, tokenizer, device_type: str) -> str:
     """`<checkpoint.dir>/export`, per fsdp.state_dict_type; returns the path."""
     export_dir = os.path.join(cfg.checkpoint.dir, "export")
-    source = cfg.model.name_or_path
-    if source and not is_sharded_export(source) and getattr(model, "_weight_conversions", None) is None:
-        # a resumed run loaded no HF weights: the release's renames, as load_hf_weights keeps them
-        model._weight_conversions = checkpoint_layout(model, source, base_weights(model)).conversions
-    prepare_for_generation(model, tokenizer, from_scratch=not source)
+    if cfg.model.name_or_path and not is_sharded_export(cfg.model.name_or_path):
+        keep_release_names(model, cfg.model.name_or_path, base_weights(model))
+    prepare_for_generation(model, tokenizer, from_scratch=not cfg.model.name_or_path)
     dtype = export_dtype(cfg, device_type)
     adapters = lora.has_adapters(model)
     if adapters and not cfg.lora.merge_on_export:  # small: gathered to rank 0 whatever state_dict_type says
@@ -271,14 +267,6 @@ def export_adapters(model: nn.Module, cfg: Config, out_dir: str, tokenizer) -> N
         plain_modes(tmp)
         finish_export(tmp, out_dir)
     dist.barrier()
-
-
-def write_hf_directory(
-    model: nn.Module, out_dir: str, state: dict, tokenizer, dtype: torch.dtype, max_shard_size: str | int
-) -> None:
-    """save_pretrained's layout: one file, or files of at most max_shard_size and their index."""
-    model.save_pretrained(out_dir, state_dict=state, max_shard_size=max_shard_size)
-    save_model_config(model, out_dir, tokenizer, dtype)
 
 
 def save_model_config(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype) -> None:

@@ -48,7 +48,7 @@ from common.ops.metrics import MetricsLogger, StepLog, checkpoint_record, flops_
 from common.ops.run_dir import find_resume_checkpoint, load_or_set_aside
 from common.ops.stopping import StopRules
 from common.optim import NonFiniteGradients, build_optimizer, lr_multiplier
-from common.weights import finish_export, is_sharded_export, prepare_for_generation, write_hf_directory
+from common.weights import finish_export, is_sharded_export, prepare_for_generation, save_model_config
 from common.wrap import plan_units, resolve_layer_classes
 from xla_config import check_xla_config, xla_settings  # beside this script
 
@@ -223,7 +223,8 @@ def export(model, cfg: Config, tokenizer, compute_dtype: torch.dtype) -> str:
         dtype = getattr(torch, cfg.checkpoint.export_dtype) if cfg.checkpoint.export_dtype else compute_dtype
         state = {hf_key(k): v.cpu().to(dtype) for k, v in model.state_dict().items()}
         if xr.process_index() == 0:
-            write_hf_directory(model.module, tmp, state, tokenizer, dtype, cfg.checkpoint.max_shard_size)
+            model.module.save_pretrained(tmp, state_dict=state, max_shard_size=cfg.checkpoint.max_shard_size)
+            save_model_config(model.module, tmp, tokenizer, dtype)
     else:
         state = {"model": {hf_key(k): v for k, v in model.state_dict().items()}}
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=SPMDSavePlanner())

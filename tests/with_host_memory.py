@@ -155,7 +155,8 @@ def export_on_rank0(model, out_dir: str, tokenizer, dtype, cfg) -> None:
         if lora.has_adapters(model):
             state = lora.merged(state, cfg.lora)
         state = {k: v.to(dtype) for k, v in state.items()}
-        weights.write_hf_directory(model, tmp, state, tokenizer, dtype, cfg.checkpoint.max_shard_size)
+        model.save_pretrained(tmp, state_dict=state, max_shard_size=cfg.checkpoint.max_shard_size)
+        weights.save_model_config(model, tmp, tokenizer, dtype)
         weights.finish_export(tmp, out_dir)
     dist.barrier()
 

@@ -1,0 +1,167 @@
+"""Test-only: the survey of every model type in Transformers' MODEL_FOR_CAUSAL_LM_MAPPING (docs/features.md,
+"Which models"). Not part of the suite: it takes about an hour on 2 CPU cores.
+
+    python tests/survey_models.py OUT [model_type ...]     # default: every type in the mapping
+    python tests/survey_models.py --table OUT              # the table of every type surveyed into OUT
+
+Each type, in a process of its own (a timeout, and no state carried to the next): built tiny with
+Transformers' AutoModelForCausalLM.from_config (the matrix's sizes, tests/test_architectures.py), every bias
+non-zero, saved with a tokenizer of its own (tests/launch.py:save_release); fine-tuned 2 steps on 1 rank by
+pretrain_fsdp.py's main() (the start-up loss check on, the checkpoint's tokenizer by default); then its FULL
+export loaded by Transformers, which must load every key and give the run's own final fixed-batch loss.
+Each type ends with one outcome in OUT/<type>/result.json, and OUT/table.md counts them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ATOL = 1e-5
+
+
+def main() -> None:
+    if sys.argv[1] == "--one":
+        return survey_one(*sys.argv[2:4])
+    if sys.argv[1] == "--table":  # after several surveys into one OUT (each taking part of the types)
+        out = sys.argv[2]
+        return write_table(out, sorted(t for t in os.listdir(out) if os.path.isdir(os.path.join(out, t))))
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    out, types = sys.argv[1], sys.argv[2:] or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    os.makedirs(out, exist_ok=True)
+    for model_type in types:
+        where = os.path.join(out, model_type)
+        os.makedirs(where, exist_ok=True)
+        command = [sys.executable, __file__, "--one", out, model_type]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+            log, code = done.stdout + done.stderr, done.returncode
+        except subprocess.TimeoutExpired as timeout:
+            log, code = f"{timeout.stdout or ''}{timeout.stderr or ''}", None
+            write_result(where, "traceback", "timed out after 600 s")
+        with open(os.path.join(where, "log.txt"), "w") as f:
+            f.write(log if isinstance(log, str) else log.decode(errors="replace"))
+        if not os.path.exists(os.path.join(where, "result.json")):
+            write_result(where, "traceback", f"the process died (exit {code}): {last_line(log)}")
+        print(model_type, read_result(where), flush=True)
+    write_table(out, types)
+
+
+def last_line(log) -> str:
+    lines = [line for line in str(log).splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def write_result(where: str, outcome: str, detail: str, **numbers) -> None:
+    with open(os.path.join(where, "result.json"), "w") as f:
+        json.dump({"outcome": outcome, "detail": detail, **numbers}, f)
+
+
+def read_result(where: str) -> dict:
+    with open(os.path.join(where, "result.json")) as f:
+        return json.load(f)
+
+
+def survey_one(out: str, model_type: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, HERE)
+    from arch_matrix import COMMON, load_script, observe
+    from test_architectures import EXPERTS, MLA, tiny_config
+
+    from common.config import ConfigError
+    from launch import plant_trained_biases, read_metrics, save_release
+
+    where = os.path.join(out, model_type)
+    checkpoint, run_dir = os.path.join(where, "checkpoint"), os.path.join(where, "run")
+    try:
+        torch.manual_seed(0)
+        config = tiny_config(model_type)
+        # DeepSeek-like latent attention and routing at the matrix's sizes, where the config has them
+        config.update({k: v for k, v in {**MLA, **EXPERTS}.items() if hasattr(config, k)})
+        if hasattr(config, "kv_lora_rank"):  # a KV head per query head
+            config.num_key_value_heads = config.num_attention_heads
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plant_trained_biases(model)
+        with torch.no_grad():  # Transformers' own forward runs at these sizes
+            model.eval()(
+                input_ids=torch.arange(3, 11)[None], labels=torch.arange(3, 11)[None], use_cache=False
+            )
+        save_release(model, checkpoint)
+    except Exception as error:
+        return write_result(where, "not built tiny by Transformers", one_line(error))
+    script = load_script("pretrain_fsdp")
+    observe(script, run_dir)
+    config = os.path.join(os.path.dirname(HERE), "configs", "debug_tiny.json")
+    try:
+        script.main(
+            ["--config", config, f"model.name_or_path={checkpoint}", *COMMON, f"checkpoint.dir={run_dir}"]
+        )
+    except ConfigError as error:
+        return write_result(where, "one line", str(error))
+    except SystemExit as stop:
+        return write_result(where, "one line", str(stop.code))
+    except Exception as error:
+        return write_result(where, "traceback", f"{one_line(error)} ({where_raised(error)})")
+    records = read_metrics(run_dir)
+    ready = next(r for r in records if r.get("event") == "model_ready")
+    trained = next(r for r in records if r.get("event") == "final")["fixed_batch_loss"]
+    export = os.path.join(run_dir, "export")
+    reloaded, info = AutoModelForCausalLM.from_pretrained(
+        export, dtype=torch.float32, output_loading_info=True
+    )
+    reloaded.eval()
+    batch = torch.load(os.path.join(run_dir, "fixed.pt"))["batch"]
+    labels = batch["labels"]
+    with torch.no_grad():
+        logits = reloaded(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+        ).logits
+    theirs = float(torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()))
+    numbers = dict(loss_at_start=ready.get("loss_at_start"), trained=trained, export_in_transformers=theirs)
+    unloaded = sorted(info["missing_keys"]) + sorted(info["unexpected_keys"])
+    if unloaded:
+        return write_result(
+            where, "silently wrong", f"the export's keys do not load: {unloaded[:4]}", **numbers
+        )
+    if abs(theirs - trained) > ATOL * max(1.0, abs(trained)):
+        return write_result(
+            where, "silently wrong", f"export {theirs:.6f} vs trained {trained:.6f}", **numbers
+        )
+    write_result(where, "exact", "", **numbers)
+
+
+def one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:240] if text else ''}"
+
+
+def where_raised(error: BaseException) -> str:
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = [f for f in frames if "/scripts/" in f.filename or "/common/" in f.filename]
+    frame = (ours or frames)[-1]
+    return f"{os.path.relpath(frame.filename, os.path.dirname(HERE))}:{frame.lineno}"
+
+
+def write_table(out: str, types: list[str]) -> None:
+    rows = [(t, read_result(os.path.join(out, t))) for t in types]
+    counts: dict[str, int] = {}
+    for _, result in rows:
+        counts[result["outcome"]] = counts.get(result["outcome"], 0) + 1
+    lines = [f"{len(types)} model types: " + ", ".join(f"{n} {o}" for o, n in sorted(counts.items())), ""]
+    lines += ["| model type | outcome | detail |", "|---|---|---|"]
+    for model_type, result in rows:
+        detail = result["detail"].replace("|", "/").replace("\n", " ")[:200]
+        lines.append(f"| `{model_type}` | {result['outcome']} | {detail} |")
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -49,6 +49,7 @@ class Layout:
     scales: dict  # FP8 weights: {our name: (its scales' key, their file)}
     why_not: str | None  # why the files cannot fill the model; None when they can
     conversions: list = dataclasses.field(default_factory=list)  # Transformers' transforms its keys used
+    expert_scales: dict = dataclasses.field(default_factory=dict)  # FP8 experts: {key: (scales' key, file)}
 
 
 def checkpoint_layout(model: nn.Module, path: str, ours: dict) -> Layout:
@@ -82,14 +83,17 @@ def checkpoint_layout(model: nn.Module, path: str, ours: dict) -> Layout:
         else:
             _, sources = layout.fused.setdefault(name, (by_pattern[pattern], {}))
             sources.setdefault(pattern, []).append((key, located[key][0]))
+    fp8 = {key: scale_keys.pop(key) for key in list(scale_keys) if located[key][1] == "F8_E4M3"}
     for name, key in layout.names.items():
-        if key in scale_keys and located[key][1] == "F8_E4M3":
-            layout.scales[name] = (scale_keys.pop(key), located[key][0])
-    if scale_keys:  # packed FP4 weights, or experts that Transformers fuses
+        if key in fp8:
+            scale = fp8.pop(key)
+            layout.scales[name] = (scale, located[scale][0])
+    layout.expert_scales = {key: (scale, located[scale][0]) for key, scale in fp8.items()}
+    if scale_keys:  # packed FP4 weights (MXFP4's blocks and E8M0 scales, say)
         key = next(iter(scale_keys))
         raise ConfigError(
             f"model.name_or_path {path!r}: {key} ({located[key][1]}) has block scales, which the recipes "
-            f"dequantize only for F8_E4M3 weights of dense layers; dequantize it with Transformers first "
+            f"dequantize only for F8_E4M3 weights; dequantize it with Transformers first "
             f"(from_pretrained with dtype=torch.bfloat16, then save_pretrained)"
         )
     aliases = {}

@@ -9,6 +9,7 @@ splits its own experts back with Transformers' reverse converter."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from contextlib import ExitStack
 
 import torch
@@ -43,14 +44,22 @@ def loads_whole(model: nn.Module) -> bool:
     return any(isinstance(t, WeightConverter) and not stacks_experts(t) for t in transforms)
 
 
-def load_own_experts(model: nn.Module, ours: dict, fused: dict) -> None:
+def load_own_experts(model: nn.Module, ours: dict, fused: dict, dequantize: Callable | None = None) -> None:
     """Fill this rank's shards of the fused expert weights (`fused`: {our name: (Transformers' converter,
-    {source pattern: [(key, file)], experts in order})}, common/weights.py's checkpoint_layout)."""
+    {source pattern: [(key, file)], experts in order})}, common/checkpoint_layout.py). `dequantize(key,
+    tensor, read)`: an expert's weight from the values read (FP8 releases, common/quantized.py)."""
     with ExitStack() as files:
         opened = {}
+
+        def read(key: str, file: str) -> torch.Tensor:  # each file opened once, closed with `files`
+            if file not in opened:
+                opened[file] = files.enter_context(safe_open(file, framework="pt"))
+            tensor = opened[file].get_tensor(key)
+            return dequantize(key, tensor, read) if dequantize else tensor
+
         for name, (converter, sources) in fused.items():
             if name in ours:  # else from_pretrained reports it unexpected, and leaves it
-                load_own_shard(model, ours[name], name, converter, sources, opened, files)
+                load_own_shard(model, ours[name], name, converter, sources, read)
 
 
 def load_own_shard(
@@ -59,21 +68,18 @@ def load_own_shard(
     name: str,
     converter: WeightConverter,
     sources: dict,
-    opened: dict,
-    files: ExitStack,
+    read: Callable[[str, str], torch.Tensor],
 ) -> None:
     """The shard of the fused weight `name`: Transformers' converter run on the experts in the shard's rows
     only, so the rank reads its share, then cut to the shard's other dims (FSDP splits those when it has
-    fewer experts than ranks). `opened`: the files open so far, each once, closed with `files`."""
+    fewer experts than ranks). `read(key, file)`: a tensor of the checkpoint."""
     box = local_box(shard)
     if box[0].start == box[0].stop:
         return  # an empty shard (FSDP's padding)
     converter = copy.deepcopy(converter)
     for pattern, located in sources.items():
         for key, file in located[box[0]]:
-            if file not in opened:
-                opened[file] = files.enter_context(safe_open(file, framework="pt"))
-            converter.add_tensor(name, key, pattern, opened[file].get_tensor(key))
+            converter.add_tensor(name, key, pattern, read(key, file))
     [fused] = converter.convert(name, model=model, config=model.config).values()
     local = shard.to_local() if isinstance(shard, DTensor) else shard
     with torch.no_grad():

@@ -1,10 +1,11 @@
 """Quantized releases. Block-quantized FP8 (DeepSeek-V3's and Qwen3-FP8's layout: F8_E4M3 `weight` and an fp32
-`weight_scale_inv` per block) is dequantized as it loads, each rank its own rows and columns, exactly as
-Transformers' Fp8Dequantize does; the model trains and exports in plain floating point. Any other quantization
-is refused in one line: its dequantization is not this code's to guess."""
+`weight_scale_inv` per block) is dequantized as it loads, each rank its own rows and columns (of experts: its
+own experts), exactly as Transformers' Fp8Dequantize does; the model trains and exports in plain floating
+point. Any other quantization is refused in one line: its dequantization is not this code's to guess."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import ExitStack
 
 import torch
@@ -54,17 +55,7 @@ def dequantize_own_blocks(ours: dict[str, torch.Tensor], scales: dict[str, tuple
             if file not in opened:
                 opened[file] = stack.enter_context(safe_open(file, framework="pt"))
             grid = opened[file].get_slice(key)
-            if grid.get_dtype() not in ("F32", "BF16", "F16"):  # MXFP8's E8M0 exponents, say
-                raise ConfigError(
-                    f"{file}: {key} holds {grid.get_dtype()} scales; only float scales dequantize"
-                )
-            (rows, cols), (grid_rows, grid_cols) = shard.shape[-2:], grid.get_shape()[-2:]
-            if shard.dim() != 2 or rows % grid_rows or cols % grid_cols:
-                raise ConfigError(
-                    f"{file}: {key} is a {grid_rows}x{grid_cols} grid of scales for a weight of shape "
-                    f"{list(shard.shape)}, which Transformers does not dequantize either"
-                )
-            block_rows, block_cols = rows // grid_rows, cols // grid_cols
+            block_rows, block_cols = block_shape(file, key, grid.get_dtype(), grid.get_shape(), shard.shape)
             r, c = local_box(shard)
             first_row, first_col = r.start // block_rows, c.start // block_cols
             blocks = grid[
@@ -75,3 +66,34 @@ def dequantize_own_blocks(ours: dict[str, torch.Tensor], scales: dict[str, tuple
             local.mul_(
                 per_element[skip_rows : skip_rows + local.shape[0], skip_cols : skip_cols + local.shape[1]]
             )
+
+
+def expert_dequantizer(scales: dict[str, tuple[str, str]]) -> Callable:
+    """For common/experts.py, which reads each expert's weight whole (a rank reads only its own experts):
+    an FP8 one times its blocks' scales, per element in fp32 as Transformers' Fp8Dequantize computes it.
+    `scales`: {the weight's key: (its scales' key, their file)}."""
+
+    def dequantize(key: str, tensor: torch.Tensor, read: Callable) -> torch.Tensor:
+        if key not in scales:
+            return tensor
+        grid = read(*scales[key])
+        block_rows, block_cols = block_shape(
+            scales[key][1], scales[key][0], grid.dtype, grid.shape, tensor.shape
+        )
+        return tensor.float() * grid.float().repeat_interleave(block_rows, 0).repeat_interleave(block_cols, 1)
+
+    return dequantize
+
+
+def block_shape(file: str, key: str, dtype, grid_shape, shape) -> tuple[int, int]:
+    """The rows and columns of a weight each of its scales covers; scales that are not floats (MXFP8's E8M0
+    exponents) or do not tile a 2-D weight are one line."""
+    if str(dtype).removeprefix("torch.") not in ("F32", "BF16", "F16", "float32", "bfloat16", "float16"):
+        raise ConfigError(f"{file}: {key} holds {dtype} scales; only float scales dequantize")
+    (rows, cols), (grid_rows, grid_cols) = shape[-2:], grid_shape[-2:]
+    if len(shape) != 2 or rows % grid_rows or cols % grid_cols:
+        raise ConfigError(
+            f"{file}: {key} is a {grid_rows}x{grid_cols} grid of scales for a weight of shape {list(shape)}, "
+            f"which Transformers does not dequantize either"
+        )
+    return rows // grid_rows, cols // grid_cols

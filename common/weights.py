@@ -74,11 +74,10 @@ def load_hf_weights(
     with files_alone(path, layout.files) as directory:
         reader = HuggingFaceStorageReader(directory, thread_count=4)  # files read at once per rank
         dcp.load(wanted, storage_reader=reader)  # in place, into the model's own tensors
-    experts.load_own_experts(model, ours, layout.fused)
+    experts.load_own_experts(model, ours, layout.fused, quantized.expert_dequantizer(layout.expert_scales))
     quantized.dequantize_own_blocks(ours, layout.scales)
-    model._weight_conversions = (
-        layout.conversions
-    )  # the export's names (checkpoint_layout.keep_release_names)
+    # The export's names: the renames loading used (checkpoint_layout.keep_release_names).
+    model._weight_conversions = layout.conversions
 
 
 def base_weights(model: nn.Module) -> dict[str, torch.Tensor]:

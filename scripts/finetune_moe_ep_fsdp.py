@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     resume_from, state = load_or_set_aside(resume_from, c, load_checkpoint, model, optimizer, scheduler)
     start_step, samples = state.get("step", 0), state.get("samples", 0)  # samples: the data position
     loss_fn = MoeLoss(model, aux_loss_fn, num_experts, t, sizes.tp)
-    train_loss = lambda batch: loss_fn(model, batch, device)[0]  # the cross-entropy; the router loss is ours
+    train_loss = lambda batch, _: loss_fn(model, batch, device)[0]  # cross-entropy; the router loss is ours
     checked = loss_check.verify_loss_at_start(model, data, held_out, device, cfg, train_loss)
 
     logger = MetricsLogger(cfg, d.is_main)

@@ -133,11 +133,11 @@ def fixed_batch_loss(model, data, device, cp_state: cp.CpState | None, t: TrainC
     return (summed / (batch.labels != -100).sum()).item()
 
 
-def verify_loss_at_start(model, data, held_out, device, cp_state: cp.CpState | None, cfg: Config) -> dict:
+def verify_loss_at_start(model, data, held_out, device, cfg: Config) -> dict:
     """Before step 1: this script's training and evaluation losses are Transformers' own on rows of its data
-    (common/ops/loss_check.py)."""
+    (common/ops/loss_check.py); under CP, with the CP attention."""
     chunk = cfg.train.loss_chunk_tokens
-    train_loss = partial(batch_loss_sum, model, device=device, cp_state=cp_state, chunk_tokens=chunk)
+    train_loss = lambda batch, cp_state: token_loss_sum(model, batch, device, cp_state, chunk)
     return loss_check.verify_loss_at_start(model, data, held_out, device, cfg, train_loss)
 
 
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     # Trained weights, optimizer, scheduler, RNG and data position, resharded to this world size.
     resume_from, state = load_or_set_aside(resume_from, c, load_checkpoint, model, optimizer, scheduler, data)
     start_step, samples = state.get("step", 0), state.get("samples", 0)  # samples: the data position
-    checked = verify_loss_at_start(model, data, held_out, device, cp_state, cfg)  # or it stops: step 0
+    checked = verify_loss_at_start(model, data, held_out, device, cfg)  # or it stops: step 0
     logger = MetricsLogger(cfg, d.is_main)
     details = dict(tp_size=p.tp_size, resumed_from=resume_from, start_step=start_step, **checked)
     logger.log(model_ready_record(model, device, cfg.fsdp, mesh, **details, **sharding))

@@ -187,6 +187,23 @@ def test_an_fp8_release_is_dequantized_bit_for_bit_as_transformers_does_and_expo
     assert "loss_at_start" in event(read_metrics(tmp_path / "run"), "model_ready")
 
 
+def test_an_fp8_moe_release_is_dequantized_per_expert_bit_for_bit(tmp_path):
+    """FP8 experts (Qwen3-30B-A3B-FP8's layout: an F8_E4M3 weight and block scales per expert) on 2 ranks at
+    ep 2: each rank reads and dequantizes its own experts only, and the model is Transformers' own
+    dequantization bit for bit (compared through from_pretrained, which fuses the experts)."""
+    source = release(
+        tmp_path / "fp8_moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+    )
+    quantize_fp8(source)
+    args = ["--config", os.path.join(REPO, "configs", "debug_moe.json"), f"model.name_or_path={source}"]
+    args += ["model.config={}", f"checkpoint.dir={tmp_path / 'run'}", "train.steps=0", "eval.interval=0"]
+    run("finetune_moe_ep_fsdp.py", [*args, "parallelism.ep_size=2"], nproc=2)
+    expected = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).state_dict()
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "export", dtype=torch.float32).state_dict()
+    assert ours.keys() == expected.keys()
+    assert all(torch.equal(ours[key], expected[key]) for key in expected)
+
+
 @pytest.mark.parametrize(
     "quantization, says",
     [
@@ -287,3 +304,14 @@ def test_the_export_keeps_the_releases_names_also_after_a_resume(tmp_path):
         assert finetune(run_dir, source, f"train.steps={last}").returncode == 0
         assert set(load_file(run_dir / "export" / "model.safetensors")) == released
     assert any(r.get("resumed_from") for r in read_metrics(run_dir) if r.get("event") == "model_ready")
+
+
+def test_under_cp_the_check_runs_with_the_cp_attention_and_sees_a_planted_bias(tmp_path, releases):
+    """Each cp rank runs both losses on its positions of the probe's rows, with the CP attention: the
+    planted head bias is seen there too, and the run trains Transformers' loss."""
+    proc = finetune(tmp_path / "run", releases["phi"], "parallelism.cp_size=2", nproc=2, plant="bias")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sum("which the chunked loss cannot" in line for line in proc.stderr.splitlines()) == 1
+    numbers = event(read_metrics(tmp_path / "run"), "model_ready")["loss_at_start"]
+    assert numbers["train"] == pytest.approx(numbers["transformers"], rel=1e-5)
+    assert numbers["eval"] == pytest.approx(numbers["transformers"], rel=1e-5)

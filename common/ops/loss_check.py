@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import loss
+from common import cp, loss
 from common.config import Config, ConfigError, resolve_mixed_precision
 from common.data.batches import Batch
 from common.evaluate import score_shard
@@ -53,11 +53,12 @@ def verify_loss_at_start(
     held_out: list,
     device,
     cfg: Config,
-    train_loss: Callable[[Batch], torch.Tensor] | None,
+    train_loss: Callable[[Batch, cp.CpState | None], torch.Tensor] | None,
     attention: str = "allgather",
 ) -> dict:
-    """Before step 1: the recipe's training loss (`train_loss`; None: an evaluation recipe) and its
-    evaluation loss are Transformers' own on the data's first rows; what it skips is said in one line.
+    """Before step 1: the recipe's training loss (`train_loss(batch, cp_state)`, this rank's summed token
+    loss; None: an evaluation recipe) and its evaluation loss are Transformers' own on the data's first
+    rows; what it skips is said in one line.
     Returns the numbers for model_ready."""
     t, e, p = cfg.train, cfg.eval, cfg.parallelism
     batch = probe_rows(data, held_out, t.micro_batch_size)
@@ -66,10 +67,9 @@ def verify_loss_at_start(
         skipped = "train.verify_loss_at_start is false"
     elif batch is None:
         skipped = "a stream without held-out rows"
-    elif p.cp_size > 1 or attention == "torch_cp":  # the CP attention shards whole rows only
+    elif attention == "torch_cp":
         skipped = (
-            f"parallelism.cp_size is {p.cp_size}: CP attends over whole rows, whose full logits "
-            f"Transformers' loss would hold (run once at cp_size 1 to check the loss)"
+            "eval.attention is torch_cp, whose ring attention runs on whole rows (set allgather to check)"
         )
     if skipped:
         say(f"loss check skipped: {skipped}; the loss is not compared with Transformers' own before step 1")
@@ -81,20 +81,34 @@ def verify_loss_at_start(
         )
     paths = {} if train_loss is None else {"train": train_loss}
     if e.interval or train_loss is None:
-        paths["eval"] = lambda batch: score_shard(
-            model, batch, device, None, "allgather", e.loss_chunk_tokens
+        paths["eval"] = lambda batch, cp_state: score_shard(
+            model, batch, device, cp_state, "allgather", e.loss_chunk_tokens
         )[0]
+    # Under CP both losses run with the CP attention, each cp rank on its positions of the probe's rows.
+    probe_cp = cp.setup(batch.input_ids.shape[1], p.cp_size, True, device) if p.cp_size > 1 else None
     dtype = resolve_mixed_precision(cfg.fsdp, device.type)["param_dtype"]
-    return check_loss_at_start(model, batch, device, paths, dtype)
+    return check_loss_at_start(model, batch, device, paths, dtype, probe_cp)
+
+
+def own_labels(batch: Batch, cp_state: cp.CpState | None) -> torch.Tensor:
+    """The labels of this rank's positions (under CP, its share of every row)."""
+    return batch.labels if cp_state is None else cp_state.shard(batch.labels)
 
 
 @torch.no_grad()
-def transformers_loss_sum(model: nn.Module, batch: Batch, device) -> torch.Tensor:
-    """The model's own loss (its forward with labels, Transformers' loss_function) times the target tokens."""
-    labels = batch.labels.to(device).contiguous()
-    inputs = {"input_ids": batch.input_ids.to(device), "use_cache": False}
-    if batch.position_ids is not None:
-        inputs["position_ids"] = batch.position_ids.to(device)
+def transformers_loss_sum(
+    model: nn.Module, batch: Batch, device, cp_state: cp.CpState | None
+) -> torch.Tensor:
+    """The model's own loss (its forward with labels, Transformers' loss_function) times the target tokens,
+    on this rank's positions."""
+    labels = own_labels(batch, cp_state).to(device).contiguous()
+    input_ids = batch.input_ids.to(device)
+    position_ids = None if batch.position_ids is None else batch.position_ids.to(device)
+    if cp_state is None:
+        inputs = {"input_ids": input_ids, "position_ids": position_ids}
+    else:
+        inputs = cp_state.shard_inputs(input_ids, position_ids)
+    inputs["use_cache"] = False
     if hasattr(model.config, "output_router_logits"):  # the cross-entropy alone, without the router loss
         inputs["output_router_logits"] = False
     # The labels are shifted already, which shift_labels tells Transformers.
@@ -109,8 +123,9 @@ def check_loss_at_start(
     model: nn.Module,
     batch: Batch,
     device: torch.device,
-    paths: dict[str, Callable[[Batch], torch.Tensor]],
+    paths: dict[str, Callable[[Batch, cp.CpState | None], torch.Tensor]],
     compute_dtype: str,
+    cp_state: cp.CpState | None = None,
 ) -> dict:
     """Each of the recipe's loss `paths` (train, eval) on `batch` against Transformers' own loss, in eval
     mode. A chunked loss that disagrees, where full logits agree, gives way to full logits with one line; a
@@ -118,15 +133,15 @@ def check_loss_at_start(
     training, start = model.training, time.perf_counter()
     model.eval()
     try:
-        tokens = int(over_ranks(batch.labels != -100))
-        want = float(over_ranks(transformers_loss_sum(model, batch, device)) / tokens)
-        got = means(model, paths, batch, tokens)
+        tokens = int(over_ranks(own_labels(batch, cp_state) != -100))
+        want = float(over_ranks(transformers_loss_sum(model, batch, device, cp_state)) / tokens)
+        got = means(model, paths, batch, tokens, cp_state)
         wrong = [name for name, value in got.items() if not close(value, want, compute_dtype)]
         head = model.get_output_embeddings()
         if wrong and head.use_chunked_loss:
             said = ", ".join(f"{name} {describe(got[name])}" for name in wrong)
             head.use_chunked_loss = False
-            got = means(model, paths, batch, tokens)
+            got = means(model, paths, batch, tokens, cp_state)
             wrong = [name for name, value in got.items() if not close(value, want, compute_dtype)]
             if not wrong:  # said once the full logits are proven
                 loss.use_full_logits(model, f"gives a chunked loss of {said} where its own is {want:.6f}")
@@ -144,14 +159,12 @@ def check_loss_at_start(
         model.train(training)
 
 
-def means(
-    model: nn.Module, paths: dict[str, Callable[[Batch], torch.Tensor]], batch: Batch, tokens: int
-) -> dict[str, float | None]:
+def means(model: nn.Module, paths: dict, batch: Batch, tokens: int, cp_state) -> dict[str, float | None]:
     """Each path's mean token loss; None where the model changed the chunked head's result."""
     out = {}
     for name, path in paths.items():
         try:
-            out[name] = float(over_ranks(path(batch)) / tokens)
+            out[name] = float(over_ranks(path(batch, cp_state)) / tokens)
         except loss.HeadResultChanged:
             reshard(model)
             out[name] = None

@@ -5,7 +5,9 @@ tokens are counted on the full rows, before sharding."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from functools import partial
 
 import torch
@@ -30,17 +32,13 @@ def evaluate(
     `replicas`: ranks that score the same rows and positions (tensor-parallel peers), counted once;
     `attention`: "torch_cp" runs torch's ring attention (CUDA). The loss is the training loss's, through the
     model's own forward (common/loss.py), so whatever the model does to its logits counts here too."""
-    training = model.training
-    model.eval()
     counts_tokens = cp_state is None or cp_state.mesh.get_local_rank("cp") == 0  # once per sequence
     totals = torch.zeros(3, dtype=torch.float64)  # loss sum, tokens, correct
-    try:
+    with eval_mode(model):
         for batch in batches:
             if counts_tokens:
                 totals[1] += int((batch.labels != -100).sum())
             totals[[0, 2]] += score_shard(model, batch, device, cp_state, attention, chunk_tokens).cpu()
-    finally:
-        model.train(training)
     dist.all_reduce(totals)  # a CPU tensor: gloo carries it, also beside NCCL
     loss_sum, tokens, correct = (totals / replicas).tolist()
     return {
@@ -49,6 +47,17 @@ def evaluate(
         "accuracy": correct / tokens,
         "tokens": round(tokens),
     }
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """The model in eval mode (no dropout) inside, in the mode it had after, also after an error."""
+    training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(training)
 
 
 def score_shard(model, batch, device, cp_state: CpState | None, attention: str, chunk: int) -> torch.Tensor:

@@ -39,7 +39,7 @@ from common.data.batches import Batch
 from common.data.checks import check_batch_sizes
 from common.data.held_out import held_out_batches
 from common.data.sft import build_sft_batches
-from common.evaluate import evaluate
+from common.evaluate import eval_mode, evaluate
 from common.mesh import gather, init_distributed
 from common.model import build_meta_model, load_model_config
 from common.moe import (
@@ -148,10 +148,9 @@ def train_step(
 def fixed_batch_loss(model, data, loss_fn: MoeLoss, device, micro_batch: int) -> float:
     """Mean answer-token loss on a fixed batch (the data's first rows), in eval mode (no dropout): plain
     Transformers must reproduce it from the export."""
-    batch, training = data.fixed_batch(micro_batch), model.training
-    model.eval()
-    summed = loss_fn(model, batch, device)[0]
-    model.train(training)
+    batch = data.fixed_batch(micro_batch)
+    with eval_mode(model):
+        summed = loss_fn(model, batch, device)[0]
     return (summed / (batch.labels != -100).sum()).item()
 
 

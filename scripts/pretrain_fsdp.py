@@ -31,7 +31,7 @@ from common.config import Config, ConfigError, TrainConfig
 from common.data.batches import Batch, build_batches
 from common.data.checks import check_batch_sizes
 from common.data.held_out import held_out_batches
-from common.evaluate import evaluate
+from common.evaluate import eval_mode, evaluate
 from common.mesh import build_meshes, init_distributed, resolve_device, resolve_dp_sizes
 from common.model import build_meta_model, load_model_config
 from common.ops import loss_check
@@ -126,10 +126,9 @@ def fixed_batch_loss(model, data, device, cp_state: cp.CpState | None, t: TrainC
     against; none for a stream, which has no first rows that another run could rebuild."""
     if not hasattr(data, "fixed_batch"):
         return None
-    batch, training = data.fixed_batch(t.micro_batch_size), model.training
-    model.eval()
-    summed = batch_loss_sum(model, batch, device, cp_state, t.loss_chunk_tokens)
-    model.train(training)
+    batch = data.fixed_batch(t.micro_batch_size)
+    with eval_mode(model):
+        summed = batch_loss_sum(model, batch, device, cp_state, t.loss_chunk_tokens)
     return (summed / (batch.labels != -100).sum()).item()
 
 

@@ -17,7 +17,7 @@ from torch import nn
 from common import cp, loss
 from common.config import Config, ConfigError, resolve_mixed_precision
 from common.data.batches import Batch
-from common.evaluate import score_shard
+from common.evaluate import eval_mode, score_shard
 from common.wrap import reshard
 
 # Relative tolerance per compute dtype. fp32: the paths differ in summation order only. bf16: room above what
@@ -130,9 +130,8 @@ def check_loss_at_start(
     """Each of the recipe's loss `paths` (train, eval) on `batch` against Transformers' own loss, in eval
     mode. A chunked loss that disagrees, where full logits agree, gives way to full logits with one line; a
     loss that still disagrees is one line and exit 2. Returns the numbers for model_ready."""
-    training, start = model.training, time.perf_counter()
-    model.eval()
-    try:
+    start = time.perf_counter()
+    with eval_mode(model):
         tokens = int(over_ranks(own_labels(batch, cp_state) != -100))
         want = float(over_ranks(transformers_loss_sum(model, batch, device, cp_state)) / tokens)
         got = means(model, paths, batch, tokens, cp_state)
@@ -155,8 +154,6 @@ def check_loss_at_start(
             )
         seconds = round(time.perf_counter() - start, 3)
         return {"loss_at_start": {"transformers": want, **got, "tokens": tokens, "seconds": seconds}}
-    finally:
-        model.train(training)
 
 
 def means(model: nn.Module, paths: dict, batch: Batch, tokens: int, cp_state) -> dict[str, float | None]:

@@ -11,7 +11,7 @@ from contextlib import ExitStack
 import torch
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor
-from transformers import PretrainedConfig
+from transformers import AutoConfig, FineGrainedFP8Config, PretrainedConfig
 
 from common.config import ConfigError
 from common.experts import local_box
@@ -38,6 +38,16 @@ def check_quantization(hf_config: PretrainedConfig, source: str | None) -> None:
         f"block-quantized FP8); dequantize it with Transformers first (from_pretrained with "
         f"dtype=torch.bfloat16, then save_pretrained) and give that directory, or the unquantized release"
     )
+
+
+def dequantizing(path: str) -> dict:
+    """from_pretrained's keywords that dequantize an FP8 release on any device (with a GPU it would keep
+    FP8 layers), for a model loaded whole."""
+    quantization = AutoConfig.from_pretrained(path).to_dict().get("quantization_config") or {}
+    if quantization.get("quant_method") != "fp8":
+        return {}
+    block = quantization.get("weight_block_size")
+    return {"quantization_config": FineGrainedFP8Config(dequantize=True, weight_block_size=block)}
 
 
 def dequantize_own_blocks(ours: dict[str, torch.Tensor], scales: dict[str, tuple[str, str]]) -> None:

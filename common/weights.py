@@ -90,9 +90,8 @@ def load_converted(model: nn.Module, path: str, broadcast_from_rank0: bool, trus
     conversions: on rank 0, then broadcast, with broadcast_from_rank0; else on every rank."""
     full = {}
     if dist.get_rank() == 0 or not broadcast_from_rank0:
-        full = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, trust_remote_code=trust_remote_code
-        ).state_dict()
+        kwargs = dict(trust_remote_code=trust_remote_code, **quantized.dequantizing(path))
+        full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).state_dict()
         ours = {lora.base_name(name): name for name in get_model_state_dict(model)}
         full = {ours.get(name, name): tensor for name, tensor in full.items()}
     adapters = lora.has_adapters(model)

@@ -20,6 +20,7 @@ from common.config import ConfigError, DataConfig, ModelConfig
 from common.data.checks import check_vocab_size
 from common.model import load_model_config
 from common.ops.cli import checkpoint_tokenizer
+from common.quantized import dequantizing
 from common.weights import base_weights
 from launch import REPO, event, plant_trained_biases, read_metrics, run, save_release, steps
 
@@ -185,6 +186,19 @@ def test_an_fp8_release_is_dequantized_bit_for_bit_as_transformers_does_and_expo
     assert all(torch.equal(exported[key], expected[key]) for key in expected)
     assert exported["model.layers.0.mlp.up_proj.weight"].dtype == torch.float32
     assert "loss_at_start" in event(read_metrics(tmp_path / "run"), "model_ready")
+
+
+def test_a_whole_load_of_an_fp8_release_asks_transformers_to_dequantize(releases):
+    """Loaded whole (a model whose keys Transformers converts otherwise), an FP8 release is dequantized on a
+    GPU too, where from_pretrained would otherwise keep FP8 layers: the same weights here, on CPU."""
+    asked = dequantizing(releases["fp8"])["quantization_config"]
+    assert asked.dequantize and list(asked.weight_block_size) == [BLOCK, BLOCK]
+    assert dequantizing(releases["llama"]) == {}
+    plain = AutoModelForCausalLM.from_pretrained(releases["fp8"], dtype=torch.float32).state_dict()
+    whole = AutoModelForCausalLM.from_pretrained(
+        releases["fp8"], dtype=torch.float32, **dequantizing(releases["fp8"])
+    )
+    assert all(torch.equal(tensor, plain[name]) for name, tensor in whole.state_dict().items())
 
 
 def test_an_fp8_moe_release_is_dequantized_per_expert_bit_for_bit(tmp_path):

@@ -123,9 +123,11 @@ def checkpoint_layout(model: nn.Module, path: str, ours: dict) -> Layout:
 def keep_release_names(model: nn.Module, path: str, ours: dict) -> None:
     """save_pretrained reverts only the renames that loading used, which from_pretrained keeps in this
     attribute (no public setter), so the export keeps the release's names (DeepSeek-V4's embed_tokens, not
-    the original format's embed). load_hf_weights sets it; a resumed run, which loaded no HF weights, here."""
+    the original format's embed). load_hf_weights sets it; a resumed run, which loaded no HF weights, here.
+    A checkpoint loaded whole by from_pretrained is left to Transformers' default."""
     if getattr(model, "_weight_conversions", None) is None:
-        model._weight_conversions = checkpoint_layout(model, path, ours).conversions
+        layout = checkpoint_layout(model, path, ours)
+        model._weight_conversions = None if layout.why_not else layout.conversions
 
 
 def ignored_on_load(model: nn.Module, key: str) -> bool:

@@ -11,7 +11,7 @@ from contextlib import ExitStack
 import torch
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, FineGrainedFP8Config, PretrainedConfig
+from transformers import FineGrainedFP8Config, PretrainedConfig
 
 from common.config import ConfigError
 from common.experts import local_box
@@ -43,7 +43,7 @@ def check_quantization(hf_config: PretrainedConfig, source: str | None) -> None:
 def dequantizing(path: str) -> dict:
     """from_pretrained's keywords that dequantize an FP8 release on any device (with a GPU it would keep
     FP8 layers), for a model loaded whole."""
-    quantization = AutoConfig.from_pretrained(path).to_dict().get("quantization_config") or {}
+    quantization = PretrainedConfig.get_config_dict(path)[0].get("quantization_config") or {}
     if quantization.get("quant_method") != "fp8":
         return {}
     block = quantization.get("weight_block_size")

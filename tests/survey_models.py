@@ -21,6 +21,8 @@ import sys
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# Sizes a config checks against its layer count, at the matrix's 2 layers
+SURVEY_SIZES = {"gpt_neo": dict(attention_types=[[["global", "local"], 1]])}
 ATOL = 1e-5
 
 
@@ -73,7 +75,7 @@ def survey_one(out: str, model_type: str) -> None:
 
     sys.path.insert(0, HERE)
     from arch_matrix import COMMON, load_script, observe
-    from test_architectures import EXPERTS, MLA, tiny_config
+    from test_architectures import EXPERTS, MLA, PER_ARCH, tiny_config
 
     from common.config import ConfigError
     from launch import plant_trained_biases, read_metrics, save_release
@@ -82,6 +84,7 @@ def survey_one(out: str, model_type: str) -> None:
     checkpoint, run_dir = os.path.join(where, "checkpoint"), os.path.join(where, "run")
     try:
         torch.manual_seed(0)
+        PER_ARCH.update(SURVEY_SIZES)
         config = tiny_config(model_type)
         # DeepSeek-like latent attention and routing at the matrix's sizes, where the config has them
         config.update({k: v for k, v in {**MLA, **EXPERTS}.items() if hasattr(config, k)})

@@ -22,7 +22,7 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Sizes a config checks against its layer count, at the matrix's 2 layers
-SURVEY_SIZES = {"gpt_neo": dict(attention_types=[[["global", "local"], 1]])}
+SURVEY_SIZES = {"gpt_neo": dict(attention_types=[[["global", "local"], 1]]), "mamba2": dict(num_heads=8)}
 ATOL = 1e-5
 
 
@@ -77,6 +77,7 @@ def survey_one(out: str, model_type: str) -> None:
     from arch_matrix import COMMON, load_script, observe
     from test_architectures import EXPERTS, MLA, PER_ARCH, tiny_config
 
+    from common.architectures import check_causal_lm
     from common.config import ConfigError
     from launch import plant_trained_biases, read_metrics, save_release
 
@@ -90,6 +91,10 @@ def survey_one(out: str, model_type: str) -> None:
         config.update({k: v for k, v in {**MLA, **EXPERTS}.items() if hasattr(config, k)})
         if hasattr(config, "kv_lora_rank"):  # a KV head per query head
             config.num_key_value_heads = config.num_attention_heads
+        try:  # the recipes judge the config before any weight: a refusal needs no model (multimodal
+            check_causal_lm(config)  # ones would be built at their vision towers' full sizes)
+        except ConfigError as error:
+            return write_result(where, "one line", str(error))
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         plant_trained_biases(model)
         with torch.no_grad():  # Transformers' own forward runs at these sizes

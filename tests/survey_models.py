@@ -91,6 +91,8 @@ def survey_one(out: str, model_type: str) -> None:
         config.update({k: v for k, v in {**MLA, **EXPERTS}.items() if hasattr(config, k)})
         if hasattr(config, "kv_lora_rank"):  # a KV head per query head
             config.num_key_value_heads = config.num_attention_heads
+        if hasattr(config, "qk_head_dim"):  # stored, not computed, in MiniCPM3's and LongCat's configs
+            config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         try:  # the recipes judge the config before any weight: a refusal needs no model (multimodal
             check_causal_lm(config)  # ones would be built at their vision towers' full sizes)
         except ConfigError as error:

@@ -160,15 +160,19 @@ def where_raised(error: BaseException) -> str:
 
 
 def write_table(out: str, types: list[str]) -> None:
+    """OUT/table.md: the types per outcome, then what each type that is not exact ends with."""
     rows = [(t, read_result(os.path.join(out, t))) for t in types]
-    counts: dict[str, int] = {}
-    for _, result in rows:
-        counts[result["outcome"]] = counts.get(result["outcome"], 0) + 1
-    lines = [f"{len(types)} model types: " + ", ".join(f"{n} {o}" for o, n in sorted(counts.items())), ""]
-    lines += ["| model type | outcome | detail |", "|---|---|---|"]
+    outcomes: dict[str, list[str]] = {}
     for model_type, result in rows:
-        detail = result["detail"].replace("|", "/").replace("\n", " ")[:200]
-        lines.append(f"| `{model_type}` | {result['outcome']} | {detail} |")
+        outcomes.setdefault(result["outcome"], []).append(model_type)
+    lines = ["| outcome | types | model types |", "|---|---|---|"]
+    for outcome, names in sorted(outcomes.items(), key=lambda item: -len(item[1])):
+        lines.append(f"| {outcome} | {len(names)} | {', '.join(f'`{n}`' for n in names)} |")
+    lines += ["", "| model type | outcome | what it ends with |", "|---|---|---|"]
+    for model_type, result in rows:
+        if result["outcome"] != "exact":
+            detail = result["detail"].replace("|", "/").replace("\n", " ")[:240]
+            lines.append(f"| `{model_type}` | {result['outcome']} | {detail} |")
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -26,7 +26,7 @@ from transformers.core_model_loading import (
 )
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-from common import experts, lora, manifest, quantized
+from common import experts, joined_weights, lora, manifest, quantized
 from common.checkpoint_layout import INDEX, checkpoint_layout, files_alone, keep_release_names
 from common.config import Config, resolve_mixed_precision
 from common.model import init_weights
@@ -193,11 +193,12 @@ def saved_state(model: nn.Module, state: dict, dtype: torch.dtype) -> tuple[dict
     dtypes = {name: saved_dtype(model, name, t, dtype) for name, t in state.items()}
     meta = {name: torch.empty(t.shape, dtype=dtypes[name], device="meta") for name, t in state.items()}
     whole, keys_of = saved_sources(model, meta)
-    mine = {}
+    joined = joined_weights.joined_keys(keys_of)  # several weights in one key: Sarvam's query_key_value
+    mine = joined_weights.own_joined(model, state, joined, dtypes)
     for name, keys in keys_of.items():
         if whole[keys[0]] is meta[name]:  # as it is: this rank's shard
             mine[keys[0]] = state[name].to(dtypes[name])
-        else:  # a fused expert weight: experts 0..E-1 of each source
+        elif keys[0] not in joined:  # a fused expert weight: experts 0..E-1 of each source
             mine |= experts.own_experts(model, name, state[name], keys, dtypes[name])
     return whole, mine
 

@@ -329,3 +329,18 @@ def test_under_cp_the_check_runs_with_the_cp_attention_and_sees_a_planted_bias(t
     numbers = event(read_metrics(tmp_path / "run"), "model_ready")["loss_at_start"]
     assert numbers["train"] == pytest.approx(numbers["transformers"], rel=1e-5)
     assert numbers["eval"] == pytest.approx(numbers["transformers"], rel=1e-5)
+
+
+def test_weights_a_release_stores_joined_export_joined_again(tmp_path):
+    """Sarvam-MoE stores q, k and v as one query_key_value, which Transformers splits as it loads (the model
+    then loads whole): on 2 ranks the export joins the trained q, k and v back, and Transformers gives the
+    run's own final loss on it (the export once wrote one of them over the others)."""
+    experts = dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32)
+    experts |= dict(first_k_dense_replace=1, n_group=1, topk_group=1, shared_expert_intermediate_size=32)
+    source = release(tmp_path / "sarvam_moe", "sarvam_moe", **experts)
+    done = finetune(tmp_path / "run", source, "train.steps=2", nproc=2, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "export", dtype=torch.float32).eval()
+    assert transformers_fixed_loss(trained, tmp_path / "run") == pytest.approx(
+        event(read_metrics(tmp_path / "run"), "final")["fixed_batch_loss"], abs=1e-5
+    )

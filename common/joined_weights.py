@@ -1,0 +1,30 @@
+"""Weights a release stores joined, which Transformers splits as it loads: Sarvam-MoE's `query_key_value`
+holds q_proj, k_proj and v_proj. Such a model loads whole, through from_pretrained (checkpoint_layout.py); its
+export joins them back with Transformers' own reverse converter, one rank writing each joined tensor."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from transformers.core_model_loading import revert_weight_conversion
+
+
+def joined_keys(keys_of: dict[str, list[str]]) -> dict[str, list[str]]:
+    """{key: our names saved in it} for each key that several of our weights are saved in."""
+    names: dict[str, list[str]] = {}
+    for name, keys in keys_of.items():
+        if len(keys) == 1:
+            names.setdefault(keys[0], []).append(name)
+    return {key: together for key, together in names.items() if len(together) > 1}
+
+
+def own_joined(model: nn.Module, state: dict, joined: dict[str, list[str]], dtypes: dict) -> dict:
+    """{key: the joined tensor} of the keys this rank writes (rank 0: all of them; a rank holds one joined
+    tensor more than its share, for as long as it writes it). Every rank gathers each weight: collective."""
+    mine = {}
+    for key, names in joined.items():
+        whole = {n: state[n].full_tensor() if isinstance(state[n], DTensor) else state[n] for n in names}
+        if dist.get_rank() == 0:
+            mine[key] = revert_weight_conversion(model, whole)[key].to(dtypes[names[0]])
+    return mine

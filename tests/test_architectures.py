@@ -11,6 +11,8 @@ from __future__ import annotations
 import glob
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,7 +22,18 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from common.architectures import init_buffers
 from common.config import ConfigError, ModelConfig
 from common.model import build_meta_model, load_model_config
-from launch import estimate, event, plant_trained_biases, read_metrics, run_command, save_release, torchrun
+from launch import (
+    REPO,
+    env,
+    estimate,
+    event,
+    free_port,
+    plant_trained_biases,
+    read_metrics,
+    run_command,
+    save_release,
+    torchrun,
+)
 
 DENSE = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "granite"]
 DENSE += ["smollm3", "starcoder2", "gpt_neox", "cohere2", "glm4", "phi", "falcon", "gptj", "codegen"]
@@ -215,13 +228,25 @@ def test_attention_follows_the_model_and_a_bad_value_is_one_line(tmp_path):
     # full attention only: sliding windows are refused under CP for a reason of their own
     layers = {"num_hidden_layers": 2, "layer_types": ["full_attention"] * 2}
     config.write_text(json.dumps({"model": {"config": {**gemma2.config, **layers}}}))
-    proc = run_command(
-        [*torchrun(2), "scripts/pretrain_fsdp.py", "--config", str(config), "parallelism.cp_size=2"],
-        check=False,
-    )
-    assert proc.returncode != 0  # torchrun's own code; each rank exited 2
-    lines = [line for line in proc.stderr.splitlines() if "config error" in line]
-    assert len(lines) == 2 and "Gemma2ForCausalLM does not support sdpa" in lines[0], proc.stderr[-2000:]
+    # Both ranks as torchrun starts them, but not under torchrun, which may stop one rank as soon as the
+    # other exits, before it has printed: each rank's own line and exit code are then certain.
+    ranks = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    command = [sys.executable, "scripts/pretrain_fsdp.py", "--config", str(config), "parallelism.cp_size=2"]
+    procs = [
+        subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=env(RANK=str(r), LOCAL_RANK=str(r), **ranks),
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    for rank, proc in enumerate(procs):
+        stderr = proc.communicate(timeout=300)[1]
+        lines = [line for line in stderr.splitlines() if "config error" in line]
+        assert proc.returncode == 2 and len(lines) == 1, stderr[-2000:]
+        assert lines[0].startswith(f"[rank{rank}] ") and "Gemma2ForCausalLM does not support sdpa" in lines[0]
 
 
 @pytest.mark.parametrize(

@@ -65,6 +65,45 @@ def torchrun(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
 
 
+def each_rank(
+    script: str,
+    args: list[str],
+    nproc: int = 2,
+    timeout: int = 300,
+    extra_env: dict | None = None,
+    wrapper: str | None = None,
+) -> list[tuple[int, str]]:
+    """(exit code, stderr) of each rank, started as torchrun starts them but not under torchrun: torchrun
+    stops the other ranks as soon as one exits, sometimes before they have printed their own line."""
+    paths = [os.path.join(REPO, "scripts", script)]
+    if wrapper is not None:
+        paths.insert(0, os.path.join(REPO, "tests", wrapper))
+    ranks = dict(WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    ranks.update(LOCAL_WORLD_SIZE=str(nproc), **(extra_env or {}))
+    logs = [tempfile.TemporaryFile("w+") for _ in range(nproc)]  # files: a full pipe would stop a rank
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *paths, *args],
+            cwd=REPO,
+            env=env(RANK=str(r), LOCAL_RANK=str(r), **ranks),
+            stdout=subprocess.DEVNULL,
+            stderr=logs[r],
+        )
+        for r in range(nproc)
+    ]
+    try:
+        results = []
+        for proc, log in zip(procs, logs):
+            proc.wait(timeout=timeout)
+            log.seek(0)
+            results.append((proc.returncode, log.read()))
+        return results
+    finally:
+        for proc, log in zip(procs, logs):
+            proc.kill()
+            log.close()
+
+
 def run_command(
     cmd: list[str], timeout: int = 300, check: bool = True, extra_env: dict | None = None
 ) -> subprocess.CompletedProcess:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,11 +21,9 @@ from common.architectures import init_buffers
 from common.config import ConfigError, ModelConfig
 from common.model import build_meta_model, load_model_config
 from launch import (
-    REPO,
-    env,
+    each_rank,
     estimate,
     event,
-    free_port,
     plant_trained_biases,
     read_metrics,
     run_command,
@@ -228,24 +224,10 @@ def test_attention_follows_the_model_and_a_bad_value_is_one_line(tmp_path):
     # full attention only: sliding windows are refused under CP for a reason of their own
     layers = {"num_hidden_layers": 2, "layer_types": ["full_attention"] * 2}
     config.write_text(json.dumps({"model": {"config": {**gemma2.config, **layers}}}))
-    # Both ranks as torchrun starts them, but not under torchrun, which may stop one rank as soon as the
-    # other exits, before it has printed: each rank's own line and exit code are then certain.
-    ranks = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    command = [sys.executable, "scripts/pretrain_fsdp.py", "--config", str(config), "parallelism.cp_size=2"]
-    procs = [
-        subprocess.Popen(
-            command,
-            cwd=REPO,
-            env=env(RANK=str(r), LOCAL_RANK=str(r), **ranks),
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    for rank, proc in enumerate(procs):
-        stderr = proc.communicate(timeout=300)[1]
+    args = ["--config", str(config), "parallelism.cp_size=2"]
+    for rank, (code, stderr) in enumerate(each_rank("pretrain_fsdp.py", args)):
         lines = [line for line in stderr.splitlines() if "config error" in line]
-        assert proc.returncode == 2 and len(lines) == 1, stderr[-2000:]
+        assert code == 2 and len(lines) == 1, stderr[-2000:]
         assert lines[0].startswith(f"[rank{rank}] ") and "Gemma2ForCausalLM does not support sdpa" in lines[0]
 
 

@@ -15,6 +15,7 @@ from common.ops.run_dir import find_resume_checkpoint
 from launch import (
     REPO,
     TINY,
+    each_rank,
     env,
     event,
     free_port,
@@ -180,17 +181,15 @@ def test_nan_loss_stops_with_a_message_and_keeps_good_checkpoints(tmp_path):
 def test_a_non_finite_loss_on_one_rank_stops_every_rank(tmp_path):
     """Rank 1 alone sees a NaN loss: both ranks stop at that step with the same line, neither waits in the
     next collective for the timeout (which would end rank 0 with a timeout error instead)."""
-    proc = run(
+    ranks = each_rank(
         "pretrain_fsdp.py",
         ["--config", TINY, f"checkpoint.dir={tmp_path}", *CKPT, "parallelism.timeout_minutes=0.5"],
-        nproc=2,
-        check=False,
         extra_env={"FSDP2_RECIPES_FAULT": "nan@15:1"},
         wrapper="with_faults.py",
     )
-    assert proc.returncode != 0
-    assert proc.stderr.count("at step 15; stopping without saving") == 2, proc.stderr[-3000:]
-    assert "loss is not finite on another rank at step 15" in proc.stderr
+    for code, stderr in ranks:
+        assert code == 1 and stderr.count("at step 15; stopping without saving") == 1, stderr[-3000:]
+    assert "loss is not finite on another rank at step 15" in ranks[0][1]
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-10", "step-5"]
 
 
@@ -198,17 +197,15 @@ def test_a_non_finite_loss_on_one_rank_stops_every_rank(tmp_path):
 def test_non_finite_gradients_stop_every_rank_before_the_optimizer_step(tmp_path, fault):
     """The loss stays finite and the gradients are NaN (on every rank, or on rank 1 alone): each rank stops
     at that step, before AdamW spreads the NaN, and the last checkpoint is the good one."""
-    proc = run(
+    ranks = each_rank(
         "pretrain_fsdp.py",
         ["--config", TINY, f"checkpoint.dir={tmp_path}", *CKPT, "parallelism.timeout_minutes=0.5"],
-        nproc=2,
-        check=False,
         extra_env={"FSDP2_RECIPES_FAULT": fault},
         wrapper="with_faults.py",
     )
-    assert proc.returncode != 0
     stop = "gradient norm is nan at step 15; stopping before the optimizer step"
-    assert proc.stderr.count(stop) == 2, proc.stderr[-3000:]
+    for code, stderr in ranks:
+        assert code == 1 and stderr.count(stop) == 1, stderr[-3000:]
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-10", "step-5"]
     logged = steps(read_metrics(tmp_path))
     assert logged[-1]["step"] == 14 and all(math.isfinite(r["loss"]) for r in logged)
@@ -412,23 +409,17 @@ def test_a_full_disk_during_a_checkpoint_write_stops_cleanly_and_resumes(small_d
     run_dir = small_disk / "run"
     overrides = ["train.steps=4", "checkpoint.interval=2", "checkpoint.export=false"]
     overrides.append(f"checkpoint.async_save={str(write == 'async').lower()}")
-    proc = run(
-        "pretrain_fsdp.py",
-        ["--config", TINY, f"checkpoint.dir={run_dir}", *overrides],
-        nproc=2,
-        check=False,
-    )
+    ranks = each_rank("pretrain_fsdp.py", ["--config", TINY, f"checkpoint.dir={run_dir}", *overrides])
     root = run_dir / "checkpoints"
     line = (
         f"checkpoint step-4 could not be written: the disk is full (No space left on device), under {root}"
         f"; removed the partial step-4.tmp, and step-2 is intact. Free space and rerun the same command to "
         f"resume"
     )
-    assert proc.stderr.count(line) == 2  # one line per rank
-    # A normal exit with code 1 on both ranks (torchrun reports each), not an abort; and no tracebacks, the
-    # writer threads' included (only torchrun's own, for the failed job, remains).
-    assert proc.returncode == 1 and proc.stderr.count("exitcode  : 1 ") == 2
-    assert "SIGABRT" not in proc.stderr and proc.stderr.count("Traceback") == 1
+    # One line and a normal exit with code 1 on each rank, not an abort; no tracebacks, the writer threads'
+    # included.
+    for code, stderr in ranks:
+        assert code == 1 and stderr.count(line) == 1 and "Traceback" not in stderr, stderr[-3000:]
     assert sorted(os.listdir(root)) == ["step-2"]
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
     resumed = read_metrics_after(run_dir, lambda: pretrain(run_dir, *overrides))

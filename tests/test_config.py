@@ -10,7 +10,7 @@ import yaml
 from common.config import ConfigError
 from common.ops.cli import parse_args, run_cli
 from common.ops.config_sources import load_config
-from launch import REPO, TINY, event, free_port, pretrain, read_metrics, run
+from launch import REPO, TINY, each_rank, event, free_port, pretrain, read_metrics, run
 
 pretrain_script = None
 
@@ -287,7 +287,7 @@ def test_bad_files_are_one_line_and_exit_2(tmp_path, capsys):
         assert exit_info.value.code == 2 and len(err) == 1 and message in err[0], (argv, err)
 
 
-def test_bad_input_under_python_and_torchrun_prints_one_line_per_rank(tmp_path):
+def test_bad_input_under_python_and_on_every_rank_prints_one_line(tmp_path):
     single = run(
         "pretrain_fsdp.py",
         ["--config", TINY, f"checkpoint.dir={tmp_path}/a", "fsdp.version=1"],
@@ -297,19 +297,13 @@ def test_bad_input_under_python_and_torchrun_prints_one_line_per_rank(tmp_path):
     assert single.returncode == 2 and single.stderr.strip().splitlines() == [
         "config error: fsdp.version is 1; FSDP1 is not supported, set it to 2 (fully_shard)"
     ]
-    multi = run(
-        "pretrain_fsdp.py",
-        ["--config", TINY, f"checkpoint.dir={tmp_path}/b", "fsdp.version=1"],
-        nproc=2,
-        check=False,
+    ranks = each_rank(
+        "pretrain_fsdp.py", ["--config", TINY, f"checkpoint.dir={tmp_path}/b", "fsdp.version=1"]
     )
-    assert multi.returncode != 0
-    lines = [line for line in multi.stderr.splitlines() if "config error:" in line]
-    assert sorted(line.split("config error:")[0].strip()[-7:] for line in lines) == ["[rank0]", "[rank1]"], (
-        multi.stderr
-    )
-    # The workers print no traceback; the only one is torchrun's own ChildFailedError report.
-    assert multi.stderr.count("Traceback") == 1 and "ChildFailedError" in multi.stderr
+    for rank, (code, stderr) in enumerate(ranks):
+        assert code == 2 and stderr.strip().splitlines() == [
+            f"[rank{rank}] config error: fsdp.version is 1; FSDP1 is not supported, set it to 2 (fully_shard)"
+        ], stderr
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 

@@ -21,6 +21,7 @@ from launch import (
     anonymous_rise,
     anonymous_rises,
     assert_same_weights,
+    each_rank,
     event,
     host_memory_env,
     losses,
@@ -384,10 +385,10 @@ def test_bad_input_is_one_line_on_every_rank_before_anything_is_written(tmp_path
         "model.config.num_experts=3",
         "parallelism.ep_size=2",
     ]
-    proc = run("finetune_moe_ep_fsdp.py", args, nproc=2, check=False, timeout=120)
-    errors = [line for line in proc.stderr.splitlines() if "config error:" in line]
-    assert proc.returncode != 0 and len(errors) == 2, proc.stderr[-2000:]
-    assert all("parallelism.ep_size (2) does not divide the model's 3 experts" in line for line in errors)
+    for code, stderr in each_rank("finetune_moe_ep_fsdp.py", args, timeout=120):
+        errors = [line for line in stderr.splitlines() if "config error:" in line]
+        assert code == 2 and len(errors) == 1, stderr[-2000:]
+        assert "parallelism.ep_size (2) does not divide the model's 3 experts" in errors[0]
     assert not os.path.exists(tmp_path / "run")
 
 

@@ -13,7 +13,19 @@ from transformers import AutoModelForCausalLM
 
 from common.data.batches import build_batches
 from common.ops.config_sources import load_config
-from launch import REPO, TINY, estimate, event, free_port, losses, pretrain, read_metrics, run, steps
+from launch import (
+    REPO,
+    TINY,
+    each_rank,
+    estimate,
+    event,
+    free_port,
+    losses,
+    pretrain,
+    read_metrics,
+    run,
+    steps,
+)
 
 STEPS = ["train.steps=4", "train.micro_batch_size=1", "checkpoint.interval=2"]  # 2 to 8 micro-batches a step
 STEPS += ["eval.interval=2", "data.eval_dataset=embedded", "eval.max_sequences=4", "eval.batch_size=2"]
@@ -111,11 +123,10 @@ def test_a_sharded_tp_export_converts_and_the_planner_plans_tp(tmp_path):
     ],
 )
 def test_tp_combinations_it_cannot_run_are_one_line(tmp_path, overrides, message):
-    proc = run(
-        "pretrain_fsdp.py", ["--config", TINY, f"checkpoint.dir={tmp_path}", *overrides], nproc=2, check=False
-    )
-    lines = [line for line in proc.stderr.splitlines() if "config error:" in line]
-    assert proc.returncode != 0 and len(lines) == 2 and message in lines[0], proc.stderr[-2000:]
+    args = ["--config", TINY, f"checkpoint.dir={tmp_path}", *overrides]
+    for code, stderr in each_rank("pretrain_fsdp.py", args):
+        lines = [line for line in stderr.splitlines() if "config error:" in line]
+        assert code == 2 and len(lines) == 1 and message in lines[0], stderr[-2000:]
 
 
 def test_accelerates_tp_hsdp_template_trains_under_accelerate_launch_on_8_processes(tmp_path):

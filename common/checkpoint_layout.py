@@ -28,6 +28,7 @@ from common.config import ConfigError
 
 INDEX = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"  # FP8 weights: `<weight key>_scale_inv`, beside the weight
+MXFP4 = ("_blocks", "_scales")  # MXFP4 experts (gpt-oss): `<weight key>_blocks` and `<weight key>_scales`
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -50,6 +51,7 @@ class Layout:
     why_not: str | None  # why the files cannot fill the model; None when they can
     conversions: list = dataclasses.field(default_factory=list)  # Transformers' transforms its keys used
     expert_scales: dict = dataclasses.field(default_factory=dict)  # FP8 experts: {key: (scales' key, file)}
+    mxfp4: dict = dataclasses.field(default_factory=dict)  # {our name: ((blocks' key, file), (scales'...))}
 
 
 def checkpoint_layout(model: nn.Module, path: str, ours: dict) -> Layout:
@@ -73,6 +75,13 @@ def checkpoint_layout(model: nn.Module, path: str, ours: dict) -> Layout:
     for key in sorted(located, key=dot_natural_key):  # Transformers' order: expert 2 before expert 10
         if key.endswith(SCALE_SUFFIX) and key.removesuffix(SCALE_SUFFIX) in located:
             scale_keys[key.removesuffix(SCALE_SUFFIX)] = key
+            continue
+        weight = key.rsplit("_", 1)[0]
+        if key.endswith(MXFP4) and {weight + suffix for suffix in MXFP4} <= located.keys():
+            if key.endswith(MXFP4[0]):  # our name is the weight's, as Transformers' Mxfp4Dequantize loads it
+                blocks, scales = (weight + suffix for suffix in MXFP4)
+                name = rename_source_key(weight, renamings, converters)[0]
+                layout.mxfp4[name] = ((blocks, located[blocks][0]), (scales, located[scales][0]))
             continue
         name, pattern = rename_source_key(key, renamings, converters)
         if pattern is None:
@@ -101,9 +110,8 @@ def checkpoint_layout(model: nn.Module, path: str, ours: dict) -> Layout:
         aliases.setdefault(parameter, []).append(lora.base_name(name))
     skip = {name for same in aliases.values() if layout.names.keys() & same for name in same}
     skip |= {lora.base_name(name) for name, _ in model.named_buffers()}
-    missing = next(
-        (n for n in ours if n not in layout.names and n not in layout.fused and n not in skip), None
-    )
+    loaded = layout.names.keys() | layout.fused.keys() | layout.mxfp4.keys() | skip
+    missing = next((n for n in ours if n not in loaded), None)
     if missing:  # from_pretrained then loads it, with its own word on any key it does not use
         layout.why_not = f"{missing} is not in its files"
         return layout

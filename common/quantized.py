@@ -1,7 +1,8 @@
 """Quantized releases. Block-quantized FP8 (DeepSeek-V3's and Qwen3-FP8's layout: F8_E4M3 `weight` and an fp32
 `weight_scale_inv` per block) is dequantized as it loads, each rank its own rows and columns (of experts: its
-own experts), exactly as Transformers' Fp8Dequantize does; the model trains and exports in plain floating
-point. Any other quantization is refused in one line: its dequantization is not this code's to guess."""
+own experts), exactly as Transformers' Fp8Dequantize does; so are MXFP4 experts (gpt-oss), by Transformers'
+own function. The model trains and exports in plain floating point. Any other quantization is refused in one
+line: its dequantization is not this code's to guess."""
 
 from __future__ import annotations
 
@@ -11,39 +12,39 @@ from contextlib import ExitStack
 import torch
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor
-from transformers import FineGrainedFP8Config, PretrainedConfig
+from transformers import FineGrainedFP8Config, Mxfp4Config, PretrainedConfig
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from common.config import ConfigError
 from common.experts import local_box
 
 
 def check_quantization(hf_config: PretrainedConfig, source: str | None) -> None:
-    """A block-quantized FP8 config is dropped (the model is built, trained and exported unquantized, its
-    weights dequantized as they load); any other quantization_config is one line."""
+    """A block-quantized FP8 or an MXFP4 config is dropped (the model is built, trained and exported
+    unquantized, its weights dequantized as they load); any other quantization_config is one line."""
     quantization = getattr(hf_config, "quantization_config", None)
     if quantization is None:
         return
     quantization = quantization if isinstance(quantization, dict) else quantization.to_dict()
     method = quantization.get("quant_method")
-    if (
-        method == "fp8"
-        and quantization.get("weight_block_size")
-        and quantization.get("fmt", "e4m3") == "e4m3"
-    ):
+    block_fp8 = quantization.get("weight_block_size") and quantization.get("fmt", "e4m3") == "e4m3"
+    if (method == "fp8" and block_fp8) or method == "mxfp4":
         del hf_config.quantization_config
         return
     detail = "per-tensor FP8" if method == "fp8" else method
     raise ConfigError(
         f"model.name_or_path {source!r} is quantized ({detail}), which the recipes do not dequantize (only "
-        f"block-quantized FP8); dequantize it with Transformers first (from_pretrained with "
+        f"block-quantized FP8 and MXFP4); dequantize it with Transformers first (from_pretrained with "
         f"dtype=torch.bfloat16, then save_pretrained) and give that directory, or the unquantized release"
     )
 
 
 def dequantizing(path: str) -> dict:
-    """from_pretrained's keywords that dequantize an FP8 release on any device (with a GPU it would keep
-    FP8 layers), for a model loaded whole."""
+    """from_pretrained's keywords that dequantize an FP8 or MXFP4 release on any device (with a GPU it would
+    keep quantized layers), for a model loaded whole."""
     quantization = PretrainedConfig.get_config_dict(path)[0].get("quantization_config") or {}
+    if quantization.get("quant_method") == "mxfp4":
+        return {"quantization_config": Mxfp4Config(dequantize=True)}
     if quantization.get("quant_method") != "fp8":
         return {}
     block = quantization.get("weight_block_size")
@@ -76,6 +77,28 @@ def dequantize_own_blocks(ours: dict[str, torch.Tensor], scales: dict[str, tuple
             local.mul_(
                 per_element[skip_rows : skip_rows + local.shape[0], skip_cols : skip_cols + local.shape[1]]
             )
+
+
+def dequantize_own_mxfp4(ours: dict[str, torch.Tensor], packed: dict[str, tuple]) -> None:
+    """MXFP4 experts (gpt-oss's [experts, in, out] weights, stored as [experts, out, in / 32, 16] FP4 pairs
+    and an E8M0 exponent per 32): this rank's experts and columns only, dequantized by Transformers' own
+    function into the parameter's dtype, in which every FP4 value times a power of two is exact.
+    `packed`: {our name: ((the blocks' key, file), (the scales' key, file))}."""
+    for name, ((blocks_key, blocks_file), (scales_key, scales_file)) in packed.items():
+        shard = ours.get(name)
+        if shard is None or shard.dim() != 3:
+            raise ConfigError(
+                f"{blocks_file}: {blocks_key} is MXFP4, which Transformers dequantizes for experts only"
+            )
+        local = shard.to_local() if isinstance(shard, DTensor) else shard
+        if local.numel() == 0:
+            continue  # an empty shard (FSDP's padding)
+        experts, rows, cols = local_box(shard)
+        with safe_open(blocks_file, framework="pt") as f:
+            blocks = f.get_slice(blocks_key)[experts, cols]
+        with safe_open(scales_file, framework="pt") as f:
+            scales = f.get_slice(scales_key)[experts, cols]
+        local.copy_(convert_moe_packed_tensors(blocks, scales, dtype=local.dtype)[:, rows])
 
 
 def expert_dequantizer(scales: dict[str, tuple[str, str]]) -> Callable:

@@ -60,7 +60,7 @@ def load_hf_weights(
 ) -> None:
     """Fill a sharded model from an HF checkpoint: each rank reads only its own shards' bytes, in place (DCP's
     HF reader), so it holds its share plus one tensor; of fused experts, its own (common/experts.py); FP8
-    blocks times their scales (common/quantized.py). With LoRA, the base, under PEFT's names."""
+    blocks times their scales, and MXFP4 experts (common/quantized.py). With LoRA, the base (PEFT names)."""
     ours = base_weights(model)
     layout = checkpoint_layout(model, path, ours)
     if layout.why_not:
@@ -76,6 +76,7 @@ def load_hf_weights(
         dcp.load(wanted, storage_reader=reader)  # in place, into the model's own tensors
     experts.load_own_experts(model, ours, layout.fused, quantized.expert_dequantizer(layout.expert_scales))
     quantized.dequantize_own_blocks(ours, layout.scales)
+    quantized.dequantize_own_mxfp4(ours, layout.mxfp4)
     # The export's names: the renames loading used (checkpoint_layout.keep_release_names).
     model._weight_conversions = layout.conversions
 

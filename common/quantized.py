@@ -72,11 +72,13 @@ def dequantize_own_blocks(ours: dict[str, torch.Tensor], scales: dict[str, tuple
             blocks = grid[
                 first_row : (r.stop - 1) // block_rows + 1, first_col : (c.stop - 1) // block_cols + 1
             ]
-            per_element = blocks.float().repeat_interleave(block_rows, 0).repeat_interleave(block_cols, 1)
-            skip_rows, skip_cols = r.start - first_row * block_rows, c.start - first_col * block_cols
-            local.mul_(
-                per_element[skip_rows : skip_rows + local.shape[0], skip_cols : skip_cols + local.shape[1]]
-            )
+            skip_cols = c.start - first_col * block_cols
+            for i, row_of_scales in enumerate(blocks.float(), start=first_row):  # a band of rows at a time:
+                per_column = row_of_scales.repeat_interleave(block_cols)  # no shard-sized temporary
+                band = slice(
+                    max(r.start, i * block_rows) - r.start, min(r.stop, (i + 1) * block_rows) - r.start
+                )
+                local[band].mul_(per_column[skip_cols : skip_cols + local.shape[1]])
 
 
 def dequantize_own_mxfp4(ours: dict[str, torch.Tensor], packed: dict[str, tuple]) -> None:

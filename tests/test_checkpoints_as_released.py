@@ -22,7 +22,19 @@ from common.model import load_model_config
 from common.ops.cli import checkpoint_tokenizer
 from common.quantized import dequantizing
 from common.weights import base_weights
-from launch import REPO, event, plant_trained_biases, read_metrics, run, save_release, steps
+from launch import (
+    REPO,
+    anonymous_rises,
+    event,
+    host_memory_env,
+    plant_trained_biases,
+    pretrain,
+    read_metrics,
+    run,
+    save_hf_llama,
+    save_release,
+    steps,
+)
 
 SFT = os.path.join(REPO, "configs", "debug_sft.json")
 SIZES = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16)
@@ -186,6 +198,24 @@ def test_an_fp8_release_is_dequantized_bit_for_bit_as_transformers_does_and_expo
     assert all(torch.equal(exported[key], expected[key]) for key in expected)
     assert exported["model.layers.0.mlp.up_proj.weight"].dtype == torch.float32
     assert "loss_at_start" in event(read_metrics(tmp_path / "run"), "model_ready")
+
+
+def test_an_fp8_release_raises_no_ranks_memory_past_its_share_and_one_tensor(tmp_path):
+    """About 100M parameters in FP8 on 2 ranks: loading raises each rank's anonymous memory by its share of
+    the fp32 weights, plus at most the largest tensor (its scales spread over its elements) and 16 MiB."""
+    source = save_hf_llama(tmp_path / "fp8", hidden_size=1024, intermediate_size=4096)
+    quantize_fp8(source)
+    share_mib, largest_mib = 100e6 * 4 / 2 / 2**20, 4096 * 1024 * 4 / 2**20
+    out = tmp_path / "mem"
+    overrides = [
+        "train.steps=0",
+        "checkpoint.export=false",
+        f"model.name_or_path={source}",
+        "model.config={}",
+    ]
+    pretrain(tmp_path / "run", *overrides, extra_env=host_memory_env(out), wrapper="with_host_memory.py")
+    for rise in anonymous_rises(out, "load"):
+        assert share_mib * 0.9 < rise <= share_mib + largest_mib + 16, rise
 
 
 def test_a_whole_load_of_an_fp8_release_asks_transformers_to_dequantize(releases):

@@ -31,10 +31,24 @@ def describe(directory: str, names: list[str]) -> dict:
 
 
 def write_manifest(directory: str, known: dict | None = None) -> None:
-    """manifest.json for every file of `directory`; `known`: entries already computed (by the ranks that
-    wrote those files, in parallel)."""
+    """manifest.json for every file of `directory`, then every file and folder of it synced to disk, so that
+    what the manifest describes survives a node's crash once the directory is renamed into place (DCP's
+    writer syncs only its own files). `known`: entries already computed (by the ranks that wrote those
+    files, in parallel)."""
     entries = dict(known or {})
     rest = [n for n in os.listdir(directory) if n not in entries and n != MANIFEST]
     entries.update(describe(directory, [n for n in rest if os.path.isfile(os.path.join(directory, n))]))
     with open(os.path.join(directory, MANIFEST), "w") as f:
         json.dump(dict(sorted(entries.items())), f, indent=1)
+    for root, _, names in os.walk(directory):
+        for path in [*(os.path.join(root, name) for name in names), root]:
+            sync(path)
+
+
+def sync(path: str) -> None:
+    """fsync a file, or a directory's entries (a rename in it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

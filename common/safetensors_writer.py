@@ -80,6 +80,8 @@ class SafetensorsInPlace(FileSystemWriter):
                     while length:  # pwrite may write less than asked
                         n = os.pwrite(fds[file], data[done : done + length], start + offset)
                         done, offset, length = done + n, offset + n, length - n
+            for fd in fds.values() if self.sync_files else ():  # on disk before the manifest, as DCP's own
+                os.fsync(fd)
         finally:
             for fd in fds.values():
                 os.close(fd)

@@ -20,10 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from transformers import AutoModelForCausalLM
-from transformers.core_model_loading import (
-    build_glob_alternation,
-    revert_weight_conversion,
-)
+from transformers.core_model_loading import build_glob_alternation, revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from common import experts, joined_weights, lora, manifest, quantized
@@ -40,18 +37,18 @@ def save_config(out_dir: str, model_config, tokenizer) -> None:
 
 
 def finish_export(tmp: str, out_dir: str, known: dict | None = None) -> None:
-    """One process: the manifest (files, sizes, checksums: common/manifest.py; `known`: the entries the ranks
-    computed), then the rename."""
+    """One process: the manifest (common/manifest.py; `known`: the ranks' entries), then the rename."""
     manifest.write_manifest(tmp, known)
     move_into_place(tmp, out_dir)
 
 
 def move_into_place(tmp: str, final: str) -> None:
-    """`tmp`, complete, becomes `final`; a previous `final` goes only once the new one is in place."""
+    """`tmp`, complete and synced, becomes `final`; a previous `final` goes once the new one is in place."""
     old = f"{final}.old"
     if os.path.exists(final):
         os.replace(final, old)
     os.replace(tmp, final)
+    manifest.sync(os.path.dirname(os.path.abspath(final)))
     shutil.rmtree(old, ignore_errors=True)
 
 

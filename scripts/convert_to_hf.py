@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
@@ -31,6 +30,7 @@ from transformers.core_model_loading import revert_weight_conversion
 from common import manifest
 from common.config import ConfigError
 from common.ops.cli import run_cli
+from common.ops.run_dir import recover_moved
 from common.weights import (
     finish_export,
     prepare_for_generation,
@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     split = save_pretrained_split(whole, args.max_shard_size)
     tmp = f"{args.out}.tmp"
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for line in recover_moved(args.out):  # what a killed conversion left: one line each
+            print(line, flush=True)
         os.makedirs(tmp)
     if dist.is_initialized():
         dist.barrier()

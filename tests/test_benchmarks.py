@@ -24,6 +24,7 @@ from launch import REPO, env, free_port
         ["ac_policy.py", "--tiny"],
         ["weights_io.py", "--tiny"],
         ["export_write_once.py", "--tiny"],
+        ["export_fsync.py", "--tiny"],
         ["loss_check_cost.py", "--steps", "2"],
         ["gpu_bench.py", "{tmp}", "--tiny"],
     ],

@@ -9,6 +9,7 @@ import yaml
 
 from common.config import ConfigError
 from common.ops.cli import parse_args, run_cli
+from common.ops.config_checks import is_shard_size
 from common.ops.config_sources import load_config
 from launch import REPO, TINY, each_rank, event, free_port, pretrain, read_metrics, run
 
@@ -141,6 +142,14 @@ def write(tmp_path, name, content) -> str:
 
 BEST_MODEL = ["data.eval_dataset=embedded", "checkpoint.load_best_model_at_end=true"]
 BAD_INPUTS = {
+    "shard_size_in_gib": (
+        ["checkpoint.max_shard_size=5GiB", "fsdp.state_dict_type=FULL_STATE_DICT"],
+        r"checkpoint.max_shard_size is '5GiB'; give a number of bytes, or a size in TB, GB, MB or KB",
+    ),
+    "shard_size_zero": (
+        ["checkpoint.max_shard_size=0", "fsdp.state_dict_type=FULL_STATE_DICT"],
+        r"checkpoint.max_shard_size is 0; give a number of bytes",
+    ),
     "unknown_section": (["trian.steps=3"], "did you mean 'train'"),
     "unknown_key": (["train.stpes=3"], "did you mean 'steps'"),
     "fsdp1": (["fsdp.version=1"], "fsdp.version is 1; FSDP1 is not supported"),
@@ -232,6 +241,20 @@ def test_the_best_model_takes_the_trainers_save_and_eval_steps(checkpoint_interv
     or a divisor of it (a checkpoint at every evaluation)."""
     cfg = load_config(TINY, [*BEST_MODEL, "eval.interval=5", f"checkpoint.interval={checkpoint_interval}"])
     assert (cfg.eval.interval, cfg.checkpoint.interval) == (5, checkpoint_interval)
+
+
+@pytest.mark.parametrize("size", ["5GB", "0.5GB", " 2 mb", "5 GB", "1TB", "5GiB", "5G", "5", "GB", "abc"])
+def test_max_shard_size_takes_what_save_pretrained_takes(size):
+    """Checked before training with the parser save_pretrained uses after it (huggingface_hub's)."""
+    from huggingface_hub.serialization import split_torch_state_dict_into_shards
+
+    try:
+        split_torch_state_dict_into_shards({}, max_shard_size=size)
+        theirs = True
+    except ValueError:
+        theirs = False
+    assert is_shard_size(size) == theirs
+    assert is_shard_size(1_000_000) and not is_shard_size(0) and not is_shard_size(True)
 
 
 @pytest.mark.parametrize("name", sorted(BAD_INPUTS))

@@ -583,6 +583,30 @@ TPU_TABLE = {
         if key.startswith("lora.") and key != "lora.r"
     },
 }
+# Keys whose value a library parses or opens (a size, a dtype, a class or module name, a path): a bad value is
+# one line before step 1, not a traceback after training (checkpoint.max_shard_size "5GiB" once failed only
+# in the export). Every key that takes a string, other than a Literal (common/config.py checks those as it
+# loads), needs one here, so a new one checked only late fails test_a_bad_value_is_one_line_before_step_1.
+BAD_VALUES = {
+    "model.name_or_path": ("{missing}", "model.config={}"),
+    "model.attn_implementation": "flash_attention_9",
+    "data.dataset": "{missing}.jsonl",
+    "data.eval_dataset": ("{missing}.jsonl", "eval.interval=1"),
+    "data.eval_split": ("nope", "data.eval_dataset=embedded", "eval.interval=1"),
+    "data.dataset_config": "nope",
+    "data.split": "nope",
+    "data.text_field": ("nope", "data.dataset={documents}"),
+    "data.tokenizer": "{missing}",
+    "data.cache_dir": "{documents}/cache",
+    "fsdp.transformer_layer_cls_to_wrap": "NoSuchLayer",
+    "fsdp.mixed_precision": "bf17",
+    "checkpoint.dir": "{documents}/run",
+    "checkpoint.resume": "{missing}",
+    "checkpoint.max_shard_size": ("5GiB", "fsdp.state_dict_type=FULL_STATE_DICT"),
+    "lora.target_modules": ('["nope"]', "lora.r=4"),
+}
+
+
 TABLES = {
     "pretrain_fsdp": PRETRAIN,
     "finetune_moe_ep_fsdp": MOE_TABLE,
@@ -623,6 +647,16 @@ def test_the_table_covers_every_key_of_every_section():
             f"missing: {sorted(set(every_key()) - set(table))}",
             f"not keys: {sorted(set(table) - set(every_key()))}",
         )
+
+
+def takes_a_string(key: str) -> bool:
+    section, name = key.split(".")
+    kind = next(f.type for f in dataclasses.fields(getattr(Config(), section)) if f.name == name)
+    return "str" in str(kind) and "Literal" not in str(kind)
+
+
+def test_every_key_that_takes_a_string_has_a_bad_value():
+    assert sorted(BAD_VALUES) == sorted(key for key in every_key() if takes_a_string(key))
 
 
 def _files(tmp, name: str) -> dict:
@@ -693,6 +727,7 @@ def plan_runs(tmp) -> tuple[list[dict], dict]:
     dirs, plan = {}, []
     subs["{pretrain_export}"] = str(tmp / "0" / "export")
     subs["{moe_export}"] = str(tmp / "1" / "export")
+    subs["{missing}"] = str(tmp / "missing")
     cached = glob.glob(os.path.join(os.path.expanduser(Config().data.cache_dir), "tokenizer-*"))
 
     def add(script: str, words: tuple, until_group: bool = False) -> str:
@@ -730,6 +765,9 @@ def plan_runs(tmp) -> tuple[list[dict], dict]:
                 add(script, base) if base is not None else None,
                 add(script, run, not isinstance(entry, Acts)) if run is not None else None,
             )
+    for key, value in BAD_VALUES.items():  # as far as it goes: a bad dataset is found after the group
+        words = (value,) if isinstance(value, str) else value
+        needed["bad", key] = (None, add("pretrain_fsdp", (*words[1:], *overrides(key, words[0]))))
     return plan, needed
 
 
@@ -793,6 +831,14 @@ def _reads(script: str, function: str, leaf: str) -> bool:
             texts = [open(p).read() for p in paths if os.path.exists(p) and p != config]
             return any(re.search(rf"\.{leaf}\b", t) for t in texts)
     return False
+
+
+@pytest.mark.parametrize("key", sorted(BAD_VALUES))
+def test_a_bad_value_is_one_line_before_step_1(key, results):
+    run = results["bad", key][1]
+    assert run["error"] and run["error"].startswith("config error:") and "\n" not in run["error"], _show(run)
+    assert key.split(".")[-1] in run["error"], run["error"]
+    assert not steps(run), f"refused only after training: {run['error']}"
 
 
 CASES = [(script, key) for script in TABLES for key in every_key()]

@@ -3,6 +3,8 @@
 import glob
 import json
 import os
+import shutil
+import signal
 import sys
 
 import pytest
@@ -93,6 +95,53 @@ def test_full_export_loads_in_transformers_with_identical_outputs(tmp_path):
     )  # fmt: skip
     assert crashed.returncode != 0 and len(glob.glob(f"{tmp_path}/export.tmp/model-*.safetensors")) > 1
     assert {name: (export / name).read_bytes() for name in os.listdir(export)} == before
+
+
+def test_the_export_is_on_disk_before_its_rename_and_the_rename_after_it(tmp_path):
+    """Each rank syncs the file regions it wrote; rank 0 then syncs every file and folder of export.tmp
+    before the rename, and the run directory (the rename) after it (tests/with_fsync_log.py)."""
+    log = tmp_path / "fsync"
+    overrides = ["train.steps=1", "fsdp.state_dict_type=FULL_STATE_DICT", "checkpoint.max_shard_size=1MB"]
+    pretrain(tmp_path / "run", *overrides, extra_env={"FSYNC_LOG": str(log)}, wrapper="with_fsync_log.py")
+    synced = [(tmp_path / f"fsync.rank{rank}").read_text().splitlines() for rank in range(2)]
+    tmp, export = f"{tmp_path}/run/export.tmp", tmp_path / "run" / "export"
+    weights = {f"{tmp}/{name}" for name in os.listdir(export) if name.endswith(".safetensors")}
+    for rank in range(2):  # each rank its own regions of (here) every file
+        assert weights <= set(synced[rank]), synced[rank]
+    everything = {f"{tmp}/{name}" for name in os.listdir(export)} | {tmp}
+    last = {path: i for i, path in enumerate(synced[0])}  # where each was last synced
+    assert everything <= last.keys() and last[f"{tmp_path}/run"] > max(last[path] for path in everything)
+
+
+def test_a_run_killed_anywhere_in_moving_its_export_into_place_never_stops_the_next_one(tmp_path):
+    """move_into_place renames the export aside, renames the new one into place, then removes the old one.
+    Killed inside each (a removal with one file gone), the next run of the same command puts right what
+    was left, in one line each, before any work, and exports: the same bytes, no leftovers."""
+    args = ["--config", TINY, "train.steps=2", "fsdp.state_dict_type=FULL_STATE_DICT"]
+    pretrain(tmp_path / "first", *args[2:], nproc=0)
+    exported = {name: (tmp_path / "first" / "export" / name).read_bytes() for name in ["model.safetensors"]}
+    left = {1: ["export", "export.tmp"], 2: ["export.old", "export.tmp"], 3: ["export", "export.old"]}
+    said = {1: ["removed export.tmp"], 2: ["put back from export.old", "removed export.tmp"]}
+    said[3] = ["removed export.old"]
+    for point, names in left.items():
+        run_dir = tmp_path / f"killed-{point}"
+        shutil.copytree(tmp_path / "first", run_dir)
+        fault = {"FSDP2_RECIPES_FAULT": f"rename@{point}"}
+        killed = run(
+            "pretrain_fsdp.py",
+            [*args, f"checkpoint.dir={run_dir}"],
+            nproc=0,
+            check=False,
+            extra_env=fault,
+            wrapper="with_faults.py",
+        )
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+        assert sorted(n for n in os.listdir(run_dir) if n.startswith("export")) == names
+        rerun = run("pretrain_fsdp.py", [*args, f"checkpoint.dir={run_dir}"], nproc=0)
+        lines = [line for line in rerun.stdout.splitlines() if line.startswith(f"{run_dir}/export: ")]
+        assert [line.split(": ")[1].split(",")[0] for line in lines] == said[point], rerun.stdout[-2000:]
+        assert sorted(n for n in os.listdir(run_dir) if n.startswith("export")) == ["export"]
+        assert {name: (run_dir / "export" / name).read_bytes() for name in exported} == exported
 
 
 @pytest.mark.compat

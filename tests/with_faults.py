@@ -5,10 +5,13 @@
 FSDP2_RECIPES_FAULT is `<point>@<step>[:<rank>]`: kill (after the step's update), save (inside its checkpoint
 write, before the rename: sync or background), export (inside the final export after that step: its files
 written, not yet indexed or renamed into place), hang, nan (poisons the loss), grad (makes the step's
-gradients NaN while its loss stays finite), or read (the resume's DCP read of checkpoint step-N fails with an
-I/O timeout, ETIMEDOUT, as a network filesystem's would). Each fires once per run directory, so a job that
-restarts gets past it. The patches wrap the loop helper's after_step, gradient clipping, DCP's save calls
-and FileSystemReader.read_data before the script runs. Never imported by scripts/ or common/.
+gradients NaN while its loss stays finite), read (the resume's DCP read of checkpoint step-N fails with an
+I/O timeout, ETIMEDOUT, as a network filesystem's would), or rename (`rename@K`: inside the K-th filesystem
+operation of moving the export into place, common/weights.py:move_into_place: before a rename, or after the
+first file of a removal). Each fires once per run directory, so a job that restarts gets past it. The
+patches wrap the loop helper's after_step, gradient clipping, DCP's save calls, FileSystemReader.read_data,
+and the export's move_into_place with the os.replace and shutil.rmtree it calls, before the script runs.
+Never imported by scripts/ or common/.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import math
 import os
 import re
 import runpy
+import shutil
 import signal
 import sys
 
@@ -26,12 +30,13 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import optim  # noqa: E402
+from common import optim, weights  # noqa: E402
 from common.ops.stopping import StopRules  # noqa: E402
 
 SPEC = os.environ.get("FSDP2_RECIPES_FAULT", "")
-FAULT = re.fullmatch(r"(kill|save|export|hang|nan|grad|read)@(\d+)(?::(\d+))?", SPEC)
+FAULT = re.fullmatch(r"(kill|save|export|hang|nan|grad|read|rename)@(\d+)(?::(\d+))?", SPEC)
 RUN = {"dir": None, "step": None}  # the run directory and the step being trained, from the loop helper
+MOVING = {"dir": None, "operations": 0}  # the export's run directory while move_into_place runs
 IN_WRITE = re.compile(r"step-(\d+)\.tmp$")
 IN_EXPORT = re.compile(r"export\.tmp$")
 CHECKPOINT = re.compile(r"step-(\d+)$")
@@ -107,10 +112,43 @@ def timed_out_read(read_data):
     return wrapper
 
 
+def export_moved_into_place(move):
+    """weights.move_into_place for the export: counts the renames and removals it makes (below)."""
+
+    def wrapper(tmp: str, final: str) -> None:
+        MOVING.update(dir=os.path.dirname(final), operations=0)
+        try:
+            move(tmp, final)
+        finally:
+            MOVING["dir"] = None
+
+    return wrapper
+
+
+def killed_inside(operation, removal: bool):
+    """os.replace or shutil.rmtree, killed inside the K-th call of move_into_place: a rename not made yet,
+    or a removal with one file gone (a preemption in the middle of it)."""
+
+    def wrapper(path, *args, **kwargs):
+        if MOVING["dir"] is not None:
+            MOVING["operations"] += 1
+            if fires("rename", MOVING["operations"], MOVING["dir"]):
+                if removal and os.path.isdir(path):
+                    os.remove(os.path.join(path, sorted(os.listdir(path))[0]))
+                os.kill(os.getpid(), signal.SIGKILL)
+        return operation(path, *args, **kwargs)
+
+    return wrapper
+
+
 if __name__ == "__main__":
     StopRules.__init__, StopRules.after_step = stop_rules_init, after_step
     optim.clip_grad_norm_ = clip_grad_norm_  # before the script imports it
     dcp.save, dcp.async_save = killed_inside_write(dcp.save), killed_inside_write(dcp.async_save)
     dcp.FileSystemReader.read_data = timed_out_read(dcp.FileSystemReader.read_data)
+    weights.move_into_place = export_moved_into_place(
+        weights.move_into_place
+    )  # the export's, not a checkpoint's
+    os.replace, shutil.rmtree = killed_inside(os.replace, False), killed_inside(shutil.rmtree, True)
     sys.argv = sys.argv[1:]  # the script to run, then its own arguments
     runpy.run_path(sys.argv[0], run_name="__main__")

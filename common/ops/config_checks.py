@@ -4,8 +4,9 @@ is touched, each a ConfigError naming the keys and the fix (or a warning, where 
 from __future__ import annotations
 
 import os
-import re
 import warnings
+
+from huggingface_hub.serialization import split_torch_state_dict_into_shards
 
 from common.config import Config, ConfigError, resolve_mixed_precision
 
@@ -64,6 +65,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"parallelism.cp_size={p.cp_size} and sp_size={p.sp_size} are both > 1; pick one")
     _check_evaluation(cfg)
     _check_export(cfg)
+    for key, path in (("checkpoint.dir", cfg.checkpoint.dir), ("data.cache_dir", cfg.data.cache_dir)):
+        if (parent := existing_ancestor(path)) and not os.path.isdir(parent):  # else made when first written
+            raise ConfigError(f"{key} is {path!r}, but {parent} is a file; give a directory path")
     check_companions(cfg)
     if cfg.lora.r and not cfg.model.name_or_path and os.environ.get("RANK", "0") == "0":  # once per run
         warnings.warn(
@@ -76,9 +80,10 @@ def validate(cfg: Config) -> None:
 def _check_export(cfg: Config) -> None:
     """checkpoint.max_shard_size and export_dtype shape a FULL export (or a merged LoRA one), nothing else."""
     c, adapters = cfg.checkpoint, bool(cfg.lora.r)
-    if not re.fullmatch(r"[1-9]\d*(\.\d+)?\s*([KMGT]I?B)?", str(c.max_shard_size).strip().upper()):
+    if not is_shard_size(c.max_shard_size):
         raise ConfigError(
-            f'checkpoint.max_shard_size is {c.max_shard_size!r}; give bytes or a size like "5GB"'
+            f"checkpoint.max_shard_size is {c.max_shard_size!r}; give a number of bytes, or a size in TB, "
+            f'GB, MB or KB such as "5GB" (save_pretrained\'s units: not GiB)'
         )
     full = cfg.lora.merge_on_export if adapters else cfg.fsdp.state_dict_type == "FULL_STATE_DICT"
     changed = c.max_shard_size != "5GB" and "max_shard_size" or c.export_dtype and "export_dtype"
@@ -88,6 +93,26 @@ def _check_export(cfg: Config) -> None:
             f"checkpoint.{changed} is set but the export is {export}, which it does not shape; remove it, "
             f"or export FULL_STATE_DICT (with LoRA: lora.merge_on_export=true)"
         )
+
+
+def existing_ancestor(path: str) -> str:
+    """The path itself, or the nearest of its parents that exists."""
+    path = os.path.abspath(os.path.expanduser(path))
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def is_shard_size(size) -> bool:
+    """What save_pretrained takes as max_shard_size, asked of its own parser (huggingface_hub's), which the
+    export calls only after training: a positive int, or a string in TB, GB, MB or KB."""
+    if isinstance(size, bool) or not isinstance(size, (int, str)) or (isinstance(size, int) and size <= 0):
+        return False
+    try:
+        split_torch_state_dict_into_shards({}, max_shard_size=size)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_evaluation(cfg: Config) -> None:

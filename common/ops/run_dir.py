@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ def find_resume_checkpoint(run_dir: str, resume: str, checksums: bool = True) ->
     choice: list = [None, None, None]  # the path, or what stops every rank: a config error, a read error
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
+            clear_leftovers(run_dir)
             choice[0] = _resume_checkpoint(run_dir, resume, checksums)
         except ConfigError as error:
             choice[1] = str(error)
@@ -42,6 +44,36 @@ def find_resume_checkpoint(run_dir: str, resume: str, checksums: bool = True) ->
     if dist.is_initialized():
         check_shared_storage(run_dir)
     return choice[0]
+
+
+def clear_leftovers(run_dir: str) -> None:
+    """Before any work: what a run killed while writing left (an export or checkpoint half moved into place,
+    a partial one), put right with one line each, so that it never stops a later run."""
+    root = checkpoints_dir(run_dir)
+    names = os.listdir(root) if os.path.isdir(root) else []
+    partial = {name.rsplit(".", 1)[0] for name in names if name.endswith((".tmp", ".old"))}
+    finals = [os.path.join(run_dir, "export")] + [os.path.join(root, n) for n in partial if STEP_DIR.match(n)]
+    for final in finals:
+        for line in recover_moved(final):
+            print(line, flush=True)
+
+
+def recover_moved(final: str) -> list[str]:
+    """What a kill inside common/weights.py:move_into_place leaves of `final`, and what this did about it.
+    `final.old` is a complete previous `final`: put back if `final` is gone, else removed. `final.tmp` was
+    never in place (a kill before or during its writing, or before its rename): removed, as the run that
+    left it writes it again."""
+    old, tmp, done = f"{final}.old", f"{final}.tmp", []
+    if os.path.exists(old) and not os.path.exists(final):
+        os.replace(old, final)
+        done.append(
+            f"{final}: put back from {os.path.basename(old)}, which a run killed while replacing it left"
+        )
+    for leftover in (old, tmp):
+        if os.path.exists(leftover):
+            shutil.rmtree(leftover)
+            done.append(f"{final}: removed {os.path.basename(leftover)}, which a killed run left")
+    return done
 
 
 def load_or_set_aside(path: str | None, c: CheckpointConfig, load, *state) -> tuple[str | None, dict]:

@@ -23,6 +23,65 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Sizes a config checks against its layer count, at the matrix's 2 layers
 SURVEY_SIZES = {"gpt_neo": dict(attention_types=[[["global", "local"], 1]]), "mamba2": dict(num_heads=8)}
+# Layer patterns the configs check against (or default beyond) their 2 layers, and settings per layer type
+SURVEY_SIZES |= {
+    "zamba": dict(layers_block_type=["linear_attention", "hybrid"]),  # Mamba, then Mamba + shared attention
+    "zamba2": dict(layers_block_type=["linear_attention", "hybrid"]),  # (layer_types is mapped too late)
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    # the last layer reuses the first's KV cache; the per-layer inputs as small as the rest
+    "gemma3n_text": dict(num_kv_shared_layers=1, vocab_size_per_layer_input=4096)
+    | dict(hidden_size_per_layer_input=16, laurel_rank=8),
+    # RoPE per layer type, none by default; the M-RoPE sections add up to half a 16-wide head
+    "cohere_compass_text": dict(
+        rope_parameters={"full_attention": dict(rope_type="default", rope_theta=1e4, mrope_section=[4, 2, 2])}
+    ),
+    # a sliding-window layer, then a global one; Inkling2-Loop runs the 2nd twice (an attention-residual block
+    # per layer, as the loop's bounds must be multiples of it)
+    "inkling2_text": dict(layer_types=["hybrid_sliding", "hybrid"]),
+    "inkling2_loop_text": dict(layer_types=["hybrid_sliding", "hybrid"], n_layers_per_attn_res_block=1)
+    | dict(loop_layer_index_start=1, loop_layer_index_end=2, loop_num_passes=2, loop_gate_rank=8),
+}
+# Sizes the configs hold under other keys than the matrix's, or in sub-configs left at full size
+SMALL = dict(hidden_size=64, num_attention_heads=4, intermediate_size=128)
+INKLING2 = dict(unpadded_vocab_size=4096, swa_num_attention_heads=4, swa_num_key_value_heads=2)
+SURVEY_SIZES |= {
+    # DbrxAttention reads rope_theta and clip_qkv from attn_config, as DBRX's checkpoints store them; the
+    # experts take d_model before hidden_size is mapped onto it
+    "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=1e4, clip_qkv=8.0), d_model=64)
+    | dict(ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2)),
+    # MLA sizes on construction (its checks and RoPE fraction are computed there): a KV head per query head,
+    # head_dim = nope + rope, the DSA indexer as small as a head
+    "dots3_note_text": dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=16, qk_nope_head_dim=16)
+    | dict(v_head_dim=16, head_dim=32, num_key_value_heads=4, index_head_dim=16, index_n_heads=4)
+    | dict(n_routed_experts=4, shared_experts_intermediate_size=32),
+    # its text config takes the top-level sizes; the towers' adapters must match them (the recipes refuse it)
+    "dots3_note": dict(num_key_value_heads=4, vision_config=dict(adapter_out_dim=64))
+    | dict(audio_config=dict(adapter_out_dim=64)),
+    "inkling2_text": INKLING2 | SURVEY_SIZES["inkling2_text"],
+    "inkling2_loop_text": INKLING2 | SURVEY_SIZES["inkling2_loop_text"],
+    "xlnet": dict(d_head=16),
+    "zaya": dict(num_experts_per_tok=1, router_hidden_size=16),  # top-1 routing only
+    "xlstm": dict(num_heads=4),
+    "whisper": dict(num_key_value_heads=4, decoder_attention_heads=4, decoder_layers=2)
+    | dict(encoder_ffn_dim=128, decoder_ffn_dim=128),
+    # the entropy patcher, byte encoder and decoder, and global transformer; the patcher, encoder and decoder
+    # over the matrix's vocabulary (the survey's tokenizer), not bytes
+    "blt": dict(
+        patcher_config=dict(SMALL, num_hidden_layers=2, vocab_size=4096),
+        encoder_config=dict(SMALL, hidden_size_global=64, vocab_size=4096),
+        decoder_config=dict(SMALL, hidden_size_global=64, num_hidden_layers=2, vocab_size=4096),
+        global_config=dict(SMALL, num_hidden_layers=2),
+        encoder_hash_byte_group_vocab=1024,
+    ),
+}
+# Settings a forward needs: Xmod's language adapters, Reformer's causal-LM head (is_decoder, as its causal
+# checkpoint ships) with axial positions over the 64-token sequence
+SURVEY_SIZES |= {
+    "xmod": dict(default_language="en_XX"),
+    "reformer": dict(is_decoder=True, attn_layers=["local", "lsh"], attention_head_size=16)
+    | dict(feed_forward_size=128, axial_pos_shape=[8, 8], axial_pos_embds_dim=[16, 48], num_buckets=4)
+    | dict(local_attn_chunk_length=16, lsh_attn_chunk_length=16),
+}
 ATOL = 1e-5
 
 
@@ -75,7 +134,6 @@ def survey_one(out: str, model_type: str) -> None:
 
     sys.path.insert(0, HERE)
     from arch_matrix import COMMON, load_script, observe
-    from test_architectures import EXPERTS, MLA, PER_ARCH, tiny_config
 
     from common.architectures import check_causal_lm
     from common.config import ConfigError
@@ -85,14 +143,7 @@ def survey_one(out: str, model_type: str) -> None:
     checkpoint, run_dir = os.path.join(where, "checkpoint"), os.path.join(where, "run")
     try:
         torch.manual_seed(0)
-        PER_ARCH.update(SURVEY_SIZES)
-        config = tiny_config(model_type)
-        # DeepSeek-like latent attention and routing at the matrix's sizes, where the config has them
-        config.update({k: v for k, v in {**MLA, **EXPERTS}.items() if hasattr(config, k)})
-        if hasattr(config, "kv_lora_rank"):  # a KV head per query head
-            config.num_key_value_heads = config.num_attention_heads
-        if hasattr(config, "qk_head_dim"):  # stored, not computed, in MiniCPM3's and LongCat's configs
-            config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        config = survey_config(model_type)
         try:  # a multimodal model would be built at its towers' full sizes; the recipes refuse its config
             check_causal_lm(config)  # before any weight (other configs are judged as their class saves them)
         except ConfigError as error:
@@ -146,6 +197,31 @@ def survey_one(out: str, model_type: str) -> None:
             where, "silently wrong", f"export {theirs:.6f} vs trained {trained:.6f}", **numbers
         )
     write_result(where, "exact", "", **numbers)
+
+
+def survey_config(model_type: str):
+    """The type's config at the matrix's sizes, SURVEY_SIZES's overrides and the MLA/EXPERTS sizes."""
+    from test_architectures import EXPERTS, MLA, PER_ARCH, tiny_config
+
+    PER_ARCH.update(SURVEY_SIZES)
+    config = tiny_config(model_type)
+
+    def stored(key: str) -> bool:  # not a size the config computes itself (xLSTM's v_head_dim, a property)
+        return hasattr(config, key) and not isinstance(getattr(type(config), key, None), property)
+
+    # MLA configs set head_dim to the RoPE part on construction, for their rotary embedding: kept so below
+    rope_head = (
+        hasattr(config, "qk_rope_head_dim") and getattr(config, "head_dim", None) == config.qk_rope_head_dim
+    )
+    # DeepSeek-like latent attention and routing at the matrix's sizes, where the config has them
+    config.update({k: v for k, v in {**MLA, **EXPERTS}.items() if stored(k)})
+    if hasattr(config, "kv_lora_rank"):  # a KV head per query head
+        config.num_key_value_heads = config.num_attention_heads
+    if stored("qk_head_dim"):  # stored, not computed, in MiniCPM3's and LongCat's configs
+        config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+    if rope_head:
+        config.head_dim = config.qk_rope_head_dim
+    return config
 
 
 def one_line(error: BaseException) -> str:

@@ -146,6 +146,15 @@ def test_a_loss_that_is_not_cross_entropy_over_the_logits_stops_before_step_1(tm
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")  # stopped before the model_ready line
 
 
+def test_a_forward_that_is_not_deterministic_is_named_as_such(tmp_path, releases):
+    """Reformer's LSH attention draws new random rotations on every forward: the check says that, not that
+    the loss is another one."""
+    proc = finetune(tmp_path / "run", releases["llama"], plant="random")
+    lines = [line for line in proc.stderr.strip().splitlines() if "config error" in line]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert "LlamaForCausalLM's forward is not deterministic in eval mode" in lines[0]
+
+
 def test_phi_trains_its_output_layer_bias_and_exports_the_loss_transformers_computes(tmp_path, releases):
     """Phi's head has a bias (so do GPT-J's and CodeGen's, in the architecture matrix): the chunked loss
     takes it, it trains, and the export gives the run's loss in Transformers, on 2 ranks. GPT-2 with dropout:

@@ -8,7 +8,9 @@ FSDP2_RECIPES_PLANT is one of:
 - transform: the model's logit transform is hidden from the structural probe on `meta` (returns_head_output),
   as a transform the probe cannot see would be;
 - inplace: the output layer's result is scaled in place (a hook), which no structural probe sees;
-- loss_function: the model's loss is not cross-entropy over its logits (label smoothing of its own).
+- loss_function: the model's loss is not cross-entropy over its logits (label smoothing of its own);
+- random: the model's forward draws new random numbers each time, in eval mode too (Reformer's LSH
+  attention hashes with fresh random rotations): noise on the final norm's output.
 Never imported by scripts/ or common/.
 """
 
@@ -20,6 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from common import architectures, loss  # noqa: E402
@@ -53,6 +56,14 @@ def smoothed(compute_loss_in_output_layer):
     return wrapper
 
 
+def noisy(compute_loss_in_output_layer):
+    def wrapper(model):
+        compute_loss_in_output_layer(model)
+        model.get_decoder().norm.register_forward_hook(lambda module, args, out: out + torch.randn_like(out))
+
+    return wrapper
+
+
 if __name__ == "__main__":
     if PLANT == "bias":
         loss.ChunkedCrossEntropy.apply = chunked_without_bias(loss.ChunkedCrossEntropy.apply)
@@ -62,7 +73,11 @@ if __name__ == "__main__":
         loss.compute_loss_in_output_layer = scaled_in_place(loss.compute_loss_in_output_layer)
     elif PLANT == "loss_function":
         loss.compute_loss_in_output_layer = smoothed(loss.compute_loss_in_output_layer)
+    elif PLANT == "random":
+        loss.compute_loss_in_output_layer = noisy(loss.compute_loss_in_output_layer)
     else:
-        raise SystemExit(f"FSDP2_RECIPES_PLANT={PLANT!r}: use bias, transform, inplace or loss_function")
+        raise SystemExit(
+            f"FSDP2_RECIPES_PLANT={PLANT!r}: use bias, transform, inplace, loss_function, random"
+        )
     sys.argv = sys.argv[1:]  # the script to run, then its own arguments
     runpy.run_path(sys.argv[0], run_name="__main__")

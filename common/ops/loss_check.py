@@ -133,7 +133,7 @@ def check_loss_at_start(
     start = time.perf_counter()
     with eval_mode(model):
         tokens = int(over_ranks(own_labels(batch, cp_state) != -100))
-        want = float(over_ranks(transformers_loss_sum(model, batch, device, cp_state)) / tokens)
+        want = loss_of(model, batch, device, cp_state, tokens)
         got = means(model, paths, batch, tokens, cp_state)
         wrong = [name for name, value in got.items() if not close(value, want, compute_dtype)]
         head = model.get_output_embeddings()
@@ -144,6 +144,13 @@ def check_loss_at_start(
             wrong = [name for name, value in got.items() if not close(value, want, compute_dtype)]
             if not wrong:  # said once the full logits are proven
                 loss.use_full_logits(model, f"gives a chunked loss of {said} where its own is {want:.6f}")
+        if wrong and not close(again := loss_of(model, batch, device, cp_state, tokens), want, compute_dtype):
+            raise ConfigError(
+                f"{type(model).__name__}'s forward is not deterministic in eval mode: Transformers' own loss "
+                f"on the same {tokens} tokens was {want:.6f}, then {again:.6f} (random hashing or sampling "
+                f"inside it?), so no loss can be checked against it; set train.verify_loss_at_start=false to "
+                f"train it anyway"
+            )
         if wrong:
             name = wrong[0]
             raise ConfigError(
@@ -154,6 +161,11 @@ def check_loss_at_start(
             )
         seconds = round(time.perf_counter() - start, 3)
         return {"loss_at_start": {"transformers": want, **got, "tokens": tokens, "seconds": seconds}}
+
+
+def loss_of(model: nn.Module, batch: Batch, device, cp_state: cp.CpState | None, tokens: int) -> float:
+    """Transformers' own mean token loss over every rank's positions."""
+    return float(over_ranks(transformers_loss_sum(model, batch, device, cp_state)) / tokens)
 
 
 def means(model: nn.Module, paths: dict, batch: Batch, tokens: int, cp_state) -> dict[str, float | None]:

@@ -90,7 +90,8 @@ def dequantize_own_mxfp4(ours: dict[str, torch.Tensor], packed: dict[str, tuple]
         shard = ours.get(name)
         if shard is None or shard.dim() != 3:
             raise ConfigError(
-                f"{blocks_file}: {blocks_key} is MXFP4, which Transformers dequantizes for experts only"
+                f"{blocks_file}: {blocks_key} is MXFP4, which Transformers dequantizes for experts only; "
+                f"dequantize it with Transformers first (from_pretrained, then save_pretrained)"
             )
         local = shard.to_local() if isinstance(shard, DTensor) else shard
         if local.numel() == 0:

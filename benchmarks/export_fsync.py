@@ -25,10 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from benchmarks.weights_io import SIZE
+from benchmarks.export_write_once import sharded_llama
 from common import weights
 from common.config import Config
 from tests.launch import run_command, tiny, torchrun
@@ -40,17 +38,7 @@ def as_rank(work: str, repeats: int) -> None:
     """Inside torchrun: shard the model, then time the export both ways `repeats` times; rank 0 writes the
     times to work/times.json."""
     dist.init_process_group("gloo")
-    config = LlamaConfig(vocab_size=4096, num_key_value_heads=SIZE["num_attention_heads"], **SIZE)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    model.to_empty(device="cpu")
-    torch.manual_seed(dist.get_rank())
-    with torch.no_grad():
-        for p in model.parameters():
-            p.to_local().normal_(0, 0.02)
+    model = sharded_llama()
     cfg = Config()
     cfg.checkpoint.max_shard_size = "1MB" if tiny() else "1GB"  # several files either way
     times, fsync = {mode: [] for mode in MODES}, os.fsync

@@ -121,10 +121,8 @@ def gather_to(weight, writer: int):
     return torch.cat([part[:n] for part, n in zip(parts, rows)]) if parts else None
 
 
-def as_rank(work: str, repeats: int) -> None:
-    """Inside torchrun: shard the model, then time each path `repeats` times; rank 0 writes the times to
-    work/times.json."""
-    dist.init_process_group("gloo")
+def sharded_llama() -> LlamaForCausalLM:
+    """weights_io.py's Llama, sharded by fully_shard over the process group, random fp32 weights."""
     config = LlamaConfig(vocab_size=4096, num_key_value_heads=SIZE["num_attention_heads"], **SIZE)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -136,6 +134,14 @@ def as_rank(work: str, repeats: int) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.to_local().normal_(0, 0.02)
+    return model
+
+
+def as_rank(work: str, repeats: int) -> None:
+    """Inside torchrun: shard the model, then time each path `repeats` times; rank 0 writes the times to
+    work/times.json."""
+    dist.init_process_group("gloo")
+    model = sharded_llama()
     cfg = Config()
     cfg.checkpoint.max_shard_size = "1MB" if tiny() else "1GB"  # several files either way
     times = {path: [] for path in (*PATHS, "gathering")}

@@ -211,6 +211,24 @@ def test_non_finite_gradients_stop_every_rank_before_the_optimizer_step(tmp_path
     assert logged[-1]["step"] == 14 and all(math.isfinite(r["loss"]) for r in logged)
 
 
+def test_non_finite_gradients_at_step_1_do_not_blame_the_learning_rate(tmp_path):
+    """Before any update the learning rate played no part (Gemma3n's unclamped magnitude on a zero hidden
+    state, say): the line says so rather than suggesting a lower train.lr."""
+    proc = run(
+        "pretrain_fsdp.py",
+        ["--config", TINY, f"checkpoint.dir={tmp_path}", "train.steps=2"],
+        nproc=0,
+        check=False,
+        extra_env={"FSDP2_RECIPES_FAULT": "grad@1"},
+        wrapper="with_faults.py",
+    )
+    line = "gradient norm is nan at step 1; stopping before the optimizer step, without saving: the last "
+    line += "checkpoint is intact (at step 1, before any update, so not the learning rate"
+    assert proc.returncode == 1 and line in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[
+        -2000:
+    ]
+
+
 def test_a_hung_rank_ends_the_job_within_the_collective_timeout(tmp_path):
     start = time.monotonic()
     proc = run(

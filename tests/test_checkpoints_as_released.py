@@ -300,6 +300,35 @@ def test_an_mxfp4_release_is_dequantized_per_expert_bit_for_bit(tmp_path):
         assert all(torch.equal(ours[key], expected[key]) for key in expected)
 
 
+def test_an_fp8_moe_release_raises_no_ranks_memory_past_its_share_and_one_fused_weight(tmp_path):
+    """A 54M-parameter Qwen3-MoE in FP8 at ep 2 on 2 ranks: each rank reads and dequantizes its own experts,
+    one at a time, and its anonymous memory rises by its fp32 share plus at most one fused expert weight (the
+    converter's) and 16 MiB."""
+    torch.manual_seed(0)
+    sizes = dict(SIZES, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+    config = AutoConfig.for_model(
+        "qwen3_moe",
+        **sizes | dict(head_dim=64, moe_intermediate_size=512, num_experts=16, num_experts_per_tok=2),
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    numel, fused = model.num_parameters(), model.model.layers[0].mlp.experts.gate_up_proj.numel()
+    source = save_release(model, tmp_path / "fp8_moe")
+    quantize_fp8(source)
+    share_mib, fused_mib, out = numel * 4 / 2 / 2**20, fused * 4 / 2**20, tmp_path / "mem"
+    args = ["--config", os.path.join(REPO, "configs", "debug_moe.json"), f"model.name_or_path={source}"]
+    args += ["model.config={}", f"checkpoint.dir={tmp_path / 'run'}", "train.steps=0", "eval.interval=0"]
+    args += ["parallelism.ep_size=2", "checkpoint.export=false"]
+    run(
+        "finetune_moe_ep_fsdp.py",
+        args,
+        nproc=2,
+        extra_env=host_memory_env(out),
+        wrapper="with_host_memory.py",
+    )
+    for rise in anonymous_rises(out, "load"):
+        assert share_mib * 0.9 < rise <= share_mib + fused_mib + 16, rise
+
+
 @pytest.mark.parametrize(
     "quantization, says",
     [

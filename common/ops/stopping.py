@@ -104,7 +104,7 @@ class StopRules:
             shown = loss if not math.isfinite(loss) else "not finite on another rank"
             raise SystemExit(
                 f"loss is {shown} at step {step}; stopping without saving, the last checkpoint is "
-                f"intact (try a lower train.lr or train.max_grad_norm)"
+                f"intact ({what_to_try(step, 'train.lr or train.max_grad_norm')})"
             )
         self.step = step + 1
         if step >= self.last_step:
@@ -122,7 +122,14 @@ class StopRules:
         if isinstance(exc, NonFiniteGradients):
             raise SystemExit(
                 f"gradient norm is {exc.norm} at step {self.step}; stopping before the optimizer step, "
-                f"without saving: the last checkpoint is intact (try a lower train.lr)"
+                f"without saving: the last checkpoint is intact ({what_to_try(self.step, 'train.lr')})"
             ) from None
         if isinstance(exc, CheckpointNotWritten):
             raise SystemExit(str(exc)) from None
+
+
+def what_to_try(step: int, keys: str) -> str:
+    """Before any update (step 1) the learning rate played no part: the model's own numerics on this batch."""
+    if step == 1:
+        return "at step 1, before any update, so not the learning rate: the model's own numbers on this batch"
+    return f"try a lower {keys}"

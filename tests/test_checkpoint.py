@@ -247,40 +247,13 @@ def test_a_hung_rank_ends_the_job_within_the_collective_timeout(tmp_path):
 
 def test_checkpoints_of_another_model_are_refused_with_a_clear_message(tmp_path):
     pretrain(tmp_path, "train.steps=2", "checkpoint.export=false")
-    # Two plain processes, not torchrun: torchrun stops the others when the first rank exits, and this test
-    # must see every rank refuse the checkpoint by itself.
-    cmd = [
-        sys.executable,
-        os.path.join(REPO, "scripts", "pretrain_fsdp.py"),
-        "--config",
-        TINY,
-        f"checkpoint.dir={tmp_path}",
-        "train.steps=4",
-        "model.config.hidden_size=32",
-    ]
-    port = str(free_port())
-    ranks = [
-        subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env(
-                RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port
-            ),
-        )
-        for r in range(2)
-    ]
-    try:
-        for r, rank in enumerate(ranks):
-            stderr = rank.communicate(timeout=300)[1]
-            lines = [line for line in stderr.splitlines() if "config error:" in line]
-            assert rank.returncode == 2 and len(lines) == 1, stderr[-4000:]
-            assert lines[0].startswith(f"[rank{r}] ") and "holds a different model" in lines[0]
-            assert "checkpoint.resume=none" in lines[0]
-    finally:
-        for rank in ranks:
-            rank.kill()  # a rank that did not refuse would wait in a collective until the timeout
+    # Each rank as torchrun starts it, not under torchrun (each_rank): every rank must refuse by itself.
+    args = ["--config", TINY, f"checkpoint.dir={tmp_path}", "train.steps=4", "model.config.hidden_size=32"]
+    for r, (code, stderr) in enumerate(each_rank("pretrain_fsdp.py", args)):
+        lines = [line for line in stderr.splitlines() if "config error:" in line]
+        assert code == 2 and len(lines) == 1, stderr[-4000:]
+        assert lines[0].startswith(f"[rank{r}] ") and "holds a different model" in lines[0]
+        assert "checkpoint.resume=none" in lines[0]
 
 
 def test_checkpoints_hold_tensors_only_so_loading_never_unpickles(straight):

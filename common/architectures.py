@@ -11,7 +11,7 @@ from accelerate import init_empty_weights
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
-from transformers import PretrainedConfig
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 from transformers.models.auto import modeling_auto as auto
 
 from common.config import ConfigError
@@ -37,6 +37,8 @@ def check_causal_lm(hf_config: PretrainedConfig) -> None:
             f"bidirectionally; the recipes train decoder-only causal LMs (set is_decoder=true in its config "
             f"to train it as one)"
         )
+    if is_image_text(hf_config):
+        return  # its language model trains on text (and on images: common/image_text.py)
     # DBRX's and MPT's attn_config and ffn_config are parts of a text model; a modality's config is not.
     other = sorted(name for name in hf_config.sub_configs if any(word in name for word in MODALITIES))
     if not other and type(hf_config) in auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:  # Fuyu: no tower
@@ -54,6 +56,20 @@ def check_causal_lm(hf_config: PretrainedConfig) -> None:
         )
 
 
+def is_image_text(hf_config: PretrainedConfig) -> bool:
+    """An image-text release (Qwen3.5, Gemma 3, Llama 4, Mistral 3, Qwen3-VL): a vision tower, a projector
+    and a language model, built as Transformers' image-text-to-text class."""
+    return (
+        type(hf_config) in auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+        and "vision_config" in hf_config.sub_configs
+    )
+
+
+def auto_class(hf_config: PretrainedConfig) -> type:
+    """The Auto class that builds the release as it ships: an image-text release whole, else a causal LM."""
+    return AutoModelForImageTextToText if is_image_text(hf_config) else AutoModelForCausalLM
+
+
 def supported_attention(model_class: type) -> list[str]:
     """The attn_implementation values Transformers accepts for the class (eager always)."""
     flags = {
@@ -64,9 +80,11 @@ def supported_attention(model_class: type) -> list[str]:
     return ["eager", *(name for name, flag in flags.items() if getattr(model_class, flag, False))]
 
 
-def causal_lm_class(hf_config: PretrainedConfig) -> type | None:
-    """Transformers' causal-LM class for the config; None for remote code."""
-    return auto.MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
+def model_class(hf_config: PretrainedConfig) -> type | None:
+    """Transformers' class for the config, as auto_class builds it; None for remote code."""
+    image_text = is_image_text(hf_config)
+    mapping = auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING if image_text else auto.MODEL_FOR_CAUSAL_LM_MAPPING
+    return mapping.get(type(hf_config), None)
 
 
 @torch.no_grad()
@@ -85,17 +103,18 @@ def init_buffers(model: nn.Module, device: torch.device) -> None:
         buffer.copy_(fresh[name].to(buffer.dtype))
 
 
-class _HiddenStates:
-    """A decoder's output holding only its last hidden state; any other field the model reads is None."""
+class _HiddenStates(dict):
+    """A decoder's output holding only its last hidden state: any other field is None, by attribute or by
+    index, and `**output` (image-text models re-wrap their language model's output) gives the one field."""
 
     def __init__(self, hidden: torch.Tensor):
-        self.last_hidden_state = hidden
+        super().__init__(last_hidden_state=hidden)
 
-    def __getattr__(self, name: str) -> None:
-        return None
+    def __getattr__(self, name: str) -> torch.Tensor | None:
+        return self.get(name)
 
-    def __getitem__(self, index: int) -> torch.Tensor | None:
-        return self.last_hidden_state if index == 0 else None
+    def __getitem__(self, key: int | str) -> torch.Tensor | None:
+        return self.get("last_hidden_state" if key == 0 else key)
 
 
 @torch.no_grad()

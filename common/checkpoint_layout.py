@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 from safetensors import safe_open
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
     WeightConverter,
@@ -24,6 +25,7 @@ from transformers.core_model_loading import (
 )
 
 from common import experts, lora
+from common.architectures import is_image_text
 from common.config import ConfigError
 
 INDEX = "model.safetensors.index.json"
@@ -67,7 +69,7 @@ def checkpoint_layout(model: nn.Module, path: str, ours: dict) -> Layout:
     if not located:
         layout.why_not = "it has no safetensors files"
         return layout
-    transforms = get_model_conversion_mapping(model)
+    transforms = conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
@@ -126,6 +128,24 @@ def checkpoint_layout(model: nn.Module, path: str, ours: dict) -> Layout:
             f"of this model, as from_pretrained would load it"
         )
     return layout
+
+
+def conversion_mapping(model: nn.Module) -> list:
+    """Transformers' weight renames for the model. fully_shard's classes (FSDPGemma3ForConditionalGeneration)
+    are custom code to Transformers, which then skips the root's renames and scopes them under the base model.
+    An image-text release needs the root's (Gemma 3's language_model.model -> model.language_model), so its
+    lookup sees the classes as built; text models keep the lookup their per-rank loading was tested with
+    (DeepSeek-V4's release names load only so: tests/test_checkpoints_as_released.py)."""
+    if not is_image_text(model.config):
+        return get_model_conversion_mapping(model)
+    sharded = [(module, type(module)) for module in model.modules() if isinstance(module, FSDPModule)]
+    for module, cls in sharded:
+        module.__class__ = cls.__mro__[cls._orig_cls_mro_index]
+    try:
+        return get_model_conversion_mapping(model)
+    finally:
+        for module, cls in sharded:
+            module.__class__ = cls
 
 
 def keep_release_names(model: nn.Module, path: str, ours: dict) -> None:

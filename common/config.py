@@ -19,6 +19,8 @@ class ModelConfig:
     config: dict = field(default_factory=dict)  # inline LlamaConfig kwargs, used when name_or_path is None
     attn_implementation: str | None = None  # None: Transformers' choice for the model (sdpa, else eager)
     trust_remote_code: bool = False
+    freeze_vision_tower: bool = True  # image-text releases (common/image_text.py): as in LLaMA-Factory
+    freeze_multi_modal_projector: bool = True
 
 
 @dataclass

@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 ADAPTERS = "lora_"  # in the name of every adapter parameter (lora_A, lora_B)
 
 
-def peft_config(lora: LoraConfig, base_model: str | None = None) -> PeftLoraConfig:
+def peft_config(
+    lora: LoraConfig, base_model: str | None = None, exclude_modules: list | None = None
+) -> PeftLoraConfig:
     # peft is imported where it is used: its 230 modules cost every run without adapters 0.6 s of start-up
     # per process, which the CPU test suite pays hundreds of times (docs/testing.md).
     from peft import LoraConfig as PeftLoraConfig
@@ -33,6 +35,7 @@ def peft_config(lora: LoraConfig, base_model: str | None = None) -> PeftLoraConf
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=lora.target_modules,
+        exclude_modules=exclude_modules,
         base_model_name_or_path=base_model,
         task_type="CAUSAL_LM",
     )
@@ -46,7 +49,11 @@ def add_adapters(model: nn.Module, lora: LoraConfig, device_type: str) -> None:
     from peft import inject_adapter_in_model  # see peft_config
 
     try:
-        inject_adapter_in_model(peft_config(lora), model)
+        # A module frozen already (an image-text release's vision tower) gets none, as in LLaMA-Factory.
+        frozen = [
+            n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not m.weight.requires_grad
+        ]
+        inject_adapter_in_model(peft_config(lora, exclude_modules=frozen or None), model)
     except ValueError:  # PEFT's NoMatchingPeftModuleError
         linear = sorted(
             {name.split(".")[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -92,7 +99,9 @@ def init_adapters(model: nn.Module, seed: int) -> None:
         local.copy_(full)
 
 
-def write_adapters(full: dict, lora: LoraConfig, base_model: str | None, out_dir: str) -> None:
+def write_adapters(
+    full: dict, lora: LoraConfig, base_model: str | None, out_dir: str, exclude_modules: list | None
+) -> None:
     """PEFT's adapter directory from the gathered adapter weights `full`: adapter_model.safetensors and
     adapter_config.json, which PeftModel.from_pretrained(base, out_dir) loads."""
     # PEFT's names, without the adapter's name. Not get_peft_model_state_dict: it finds the adapters by module
@@ -102,7 +111,7 @@ def write_adapters(full: dict, lora: LoraConfig, base_model: str | None, out_dir
         {f"base_model.model.{k}": v.contiguous() for k, v in weights.items()},
         f"{out_dir}/adapter_model.safetensors",
     )
-    peft_config(lora, base_model).save_pretrained(out_dir)
+    peft_config(lora, base_model, exclude_modules).save_pretrained(out_dir)
 
 
 def merged(state: dict, lora: LoraConfig) -> dict:

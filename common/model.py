@@ -10,10 +10,10 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.tensor import DTensor, distribute_tensor
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig
+from transformers import AutoConfig, LlamaConfig, PretrainedConfig
 from transformers.utils import logging as hf_logging
 
-from common import architectures, cp, quantized
+from common import architectures, cp, image_text, quantized
 from common.config import ConfigError, ModelConfig
 
 
@@ -24,10 +24,9 @@ def load_model_config(cfg: ModelConfig, seq_len: int | None = None) -> Pretraine
     hf_config = _read_model_config(cfg)
     architectures.check_causal_lm(hf_config)
     quantized.check_quantization(hf_config, cfg.name_or_path)  # FP8 blocks dequantize as they load
-    # No KV cache in training or evaluation: it costs memory, and with one Transformers stops detecting
-    # packed sequences from restarting position ids.
-    hf_config.use_cache = False
-    max_positions = getattr(hf_config, "max_position_embeddings", None)
+    # No KV cache: it costs memory, and with one Transformers misses packed sequences' restarting positions.
+    hf_config.use_cache = hf_config.get_text_config().use_cache = False
+    max_positions = getattr(hf_config.get_text_config(), "max_position_embeddings", None)
     if seq_len and max_positions and seq_len > max_positions and os.environ.get("RANK", "0") == "0":
         print(
             f"warning: data.seq_len ({seq_len}) exceeds the model's max_position_embeddings "
@@ -76,7 +75,7 @@ def build_meta_model(
     model.attn_implementation, or else what Transformers picks for the model (sdpa where it supports it)."""
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(
+            model = architectures.auto_class(hf_config).from_config(
                 hf_config,
                 attn_implementation=cfg.attn_implementation,
                 trust_remote_code=cfg.trust_remote_code,
@@ -85,7 +84,7 @@ def build_meta_model(
     except (ValueError, ImportError) as e:
         if cfg.attn_implementation is None:
             raise
-        model_class = architectures.causal_lm_class(hf_config)
+        model_class = architectures.model_class(hf_config)
         supported = (
             f"it supports {', '.join(architectures.supported_attention(model_class))}, "
             if model_class
@@ -103,6 +102,7 @@ def build_meta_model(
             f"not support sdpa (only {', '.join(supported)}, e.g. for soft-capped attention scores); set "
             f"parallelism.cp_size=1"
         )
+    image_text.freeze_vision(model, cfg, architectures.is_image_text(hf_config))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

@@ -59,9 +59,8 @@ def save_file_order(dtypes: set[torch.dtype]) -> dict[torch.dtype, int]:
 
 class SafetensorsInPlace(FileSystemWriter):
     """DCP's save into files whose headers are written: each rank writes the chunks DCP's planner gives it
-    (its shards; a replicated tensor, by one rank) at their offsets. Not torch's HuggingFaceStorageWriter:
-    its part files and then its consolidation (private in torch 2.13) write every byte twice, and took 3.3x
-    as long on 4 ranks (docs/performance.md#writing-the-export-once)."""
+    (its shards; a replicated tensor, by one rank) at their offsets. Not torch's HuggingFaceStorageWriter,
+    which writes every byte twice (docs/performance.md#writing-the-export-once)."""
 
     def __init__(self, path: str, offsets: dict[str, tuple[str, int]]) -> None:
         super().__init__(path)

@@ -29,7 +29,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict | None = None) ->
     """Shard the plan's layers (default: the model's TP plan) over `tp_mesh`, still on `meta`."""
     if plan is None:
         plan, _ = parallel_plans(model, DistributedConfig(tp_size=tp_mesh.size()))
-    apply_tensor_parallelism(model, tp_mesh, plan)
+    try:
+        apply_tensor_parallelism(model, tp_mesh, plan)
+    except KeyError as e:  # Mistral 3's plan names its tied output layer, which Transformers 5.24 cannot find
+        raise ConfigError(
+            f"parallelism.tp_size is {tp_mesh.size()} but Transformers cannot apply the TP plan of "
+            f"model_type {model.config.model_type!r} (it names {e}, which the model does not hold apart); "
+            f"set parallelism.tp_size=1"
+        ) from None
     for name, module in model.named_modules():
         if plan.get(name) == GRAD_ALL_REDUCE:
             _all_reduce_each_gradient(module, tp_mesh.get_group())

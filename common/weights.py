@@ -19,11 +19,11 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
-from transformers import AutoModelForCausalLM
 from transformers.core_model_loading import build_glob_alternation, revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-from common import experts, joined_weights, lora, manifest, quantized
+from common import experts, image_text, joined_weights, lora, manifest, quantized
+from common.architectures import auto_class
 from common.checkpoint_layout import INDEX, checkpoint_layout, files_alone, keep_release_names
 from common.config import Config, resolve_mixed_precision
 from common.model import init_weights
@@ -34,6 +34,7 @@ def save_config(out_dir: str, model_config, tokenizer) -> None:
     model_config.save_pretrained(out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
+    image_text.copy_processor_files(getattr(model_config, "name_or_path", None), out_dir)
 
 
 def finish_export(tmp: str, out_dir: str, known: dict | None = None) -> None:
@@ -89,7 +90,7 @@ def load_converted(model: nn.Module, path: str, broadcast_from_rank0: bool, trus
     full = {}
     if dist.get_rank() == 0 or not broadcast_from_rank0:
         kwargs = dict(trust_remote_code=trust_remote_code, **quantized.dequantizing(path))
-        full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).state_dict()
+        full = auto_class(model.config).from_pretrained(path, dtype=torch.float32, **kwargs).state_dict()
         ours = {lora.base_name(name): name for name in get_model_state_dict(model)}
         full = {ours.get(name, name): tensor for name, tensor in full.items()}
     adapters = lora.has_adapters(model)
@@ -259,7 +260,8 @@ def export_adapters(model: nn.Module, cfg: Config, out_dir: str, tokenizer) -> N
         tmp = f"{out_dir}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        lora.write_adapters(full, cfg.lora, cfg.model.name_or_path, tmp)
+        excluded = model.peft_config["default"].exclude_modules  # PEFT's record of add_adapters' call
+        lora.write_adapters(full, cfg.lora, cfg.model.name_or_path, tmp, excluded)
         save_config(tmp, model.generation_config, tokenizer)
         plain_modes(tmp)
         finish_export(tmp, out_dir)
@@ -269,10 +271,8 @@ def export_adapters(model: nn.Module, cfg: Config, out_dir: str, tokenizer) -> N
 def save_model_config(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype) -> None:
     # save_pretrained records the dtype of the model's own (fp32 master) parameters, not the export's.
     model.config.dtype = dtype
-    model.config.save_pretrained(out_dir)
     model.generation_config.save_pretrained(out_dir)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
+    save_config(out_dir, model.config, tokenizer)
     plain_modes(out_dir)
 
 

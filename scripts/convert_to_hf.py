@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 from transformers.core_model_loading import revert_weight_conversion
 
 from common import manifest
+from common.architectures import auto_class
 from common.config import ConfigError
 from common.ops.cli import run_cli
 from common.ops.run_dir import recover_moved
@@ -70,6 +71,12 @@ def stored_weights(src: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
             f"src holds {unknown!r}, which the model of its config.json has not (LoRA adapters?); "
             "export a LoRA run with lora.merge_on_export"
         )
+    missing = next((name for name, _ in model.named_parameters() if name not in weights), None)
+    if missing is not None:  # a checkpoint holds what trains: a frozen vision tower stays in the release
+        raise ConfigError(
+            f"src has no {missing!r}: a run's checkpoint holds only the weights that train, and frozen ones "
+            f"(an image-text release's vision tower) stay in model.name_or_path; convert the run's export"
+        )
     return {n: torch.empty(m.size, dtype=m.properties.dtype, device="meta") for n, m in weights.items()}
 
 
@@ -80,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     config = AutoConfig.from_pretrained(args.src, trust_remote_code=args.trust_remote_code)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=args.trust_remote_code)
+        model = auto_class(config).from_config(config, trust_remote_code=args.trust_remote_code)
     stored = stored_weights(args.src, model)
     dtype = getattr(torch, args.dtype)
     whole, keys_of = saved_sources(

@@ -51,7 +51,7 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as ac_wr
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from common import cp, lora, loss
-from common.architectures import init_buffers
+from common.architectures import init_buffers, is_image_text
 from common.config import Config, ConfigError, TrainConfig
 from common.data.batches import Batch
 from common.evaluate import score_shard
@@ -145,6 +145,11 @@ def shard_on_meta(cfg: Config, recipe: str, world_size: int, device_type: str) -
     if cp_size > 1:  # as the scripts' main() do; the planner runs the all-gather one
         cfg.model.attn_implementation = cp.use_cp_attention()
     hf_config = load_model_config(cfg.model, cfg.data.seq_len)
+    if is_image_text(hf_config):  # torch's FSDPMemTracker fails on units no forward ran: the vision blocks
+        raise ConfigError(
+            f"model_type {hf_config.model_type!r} is an image-text release, which the planner does not plan "
+            f"yet; plan its language model with model.config set to its text_config"
+        )
     model = build_meta_model(hf_config, cfg.model, t.gradient_checkpointing)
     if recipe == "pretrain" and cfg.lora.r:  # as pretrain_fsdp.py's main() does
         lora.add_adapters(model, cfg.lora, device_type)
@@ -202,7 +207,9 @@ def measure(cfg: Config, recipe: str, world_size: int, device_type: str) -> dict
             model.to_empty(device=device)
             init_buffers(model, device)
             documents = recipe == "moe" or cfg.data.document_mask
-            batch = fake_batch(micro_batch, seq_len, built["hf_config"].vocab_size, documents)
+            batch = fake_batch(
+                micro_batch, seq_len, built["hf_config"].get_text_config().vocab_size, documents
+            )
             optimizer = None if recipe == "eval" else build_optimizer(model, cfg, torch.device(device_type))
             tracker = FSDPMemTracker(model, optimizer)
             track_the_global_peak_only(tracker)

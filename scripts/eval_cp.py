@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     if p.cp_size > 1 or attention == "torch_cp":  # at cp 1, the model's own attention
         cfg.model.attn_implementation = cp.use_cp_attention(torch_cp=attention == "torch_cp")
     hf_config = load_model_config(cfg.model, seq_len)
-    cp.check_cp(seq_len, p.cp_size, e.load_balance, hf_config)
+    cp.check_cp(seq_len, p.cp_size, e.load_balance, hf_config.get_text_config())  # image-text: its LM
     model = build_meta_model(hf_config, cfg.model)  # on `meta`: no memory yet
     loss.compute_loss_in_output_layer(model)  # eval.loss_chunk_tokens: no full-vocabulary logits
     resolve_layer_classes(model, cfg.fsdp)  # a bad class name fails before any process group exists

@@ -76,10 +76,11 @@ class MoeLoss:
         # cross-entropy would): it takes full logits there.
         self.chunk_tokens = t.loss_chunk_tokens if tp == 1 else 0
         self.aux_loss_fn, self.num_experts = aux_loss_fn, num_experts
-        self.top_k = model.config.num_experts_per_tok
+        text = model.config.get_text_config()  # an image-text release's language model
+        self.top_k = text.num_experts_per_tok
         # train.router_aux_loss_coef, or else the model config's own
         coef = t.router_aux_loss_coef
-        self.coef = getattr(model.config, "router_aux_loss_coef", 0.0) if coef is None else coef
+        self.coef = getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef
 
     def __call__(self, model, batch: Batch, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(cross-entropy summed over answer tokens, router aux loss, [layers, experts] token counts)."""
@@ -268,8 +269,8 @@ def main(argv: list[str] | None = None) -> None:
     dp_rank = data_parallel_rank(dense_mesh)  # tp peers share a batch
     torch.manual_seed(t.seed)
 
-    # SFT data: loss only on answers; rows packed or padded, sampled the same way on any world size.
-    tokenizer, data = build_sft_batches(cfg.data, t, dp_rank, sizes.dp, d.is_main, hf_config.vocab_size)
+    vocab_size = hf_config.get_text_config().vocab_size  # an image-text release: its language model's
+    tokenizer, data = build_sft_batches(cfg.data, t, dp_rank, sizes.dp, d.is_main, vocab_size)  # SFT data
     held_out = held_out_batches(cfg.data, e, tokenizer, dp_rank, sizes.dp, d.is_main) if e.interval else []
     resume_from = find_resume_checkpoint(c.dir, c.resume, c.verify_checksums)  # rank 0 picks an undamaged one
 
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     init_buffers(model, device)
     optimizer = build_optimizer(model, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
-    if not resume_from:
+    if not resume_from or not all(p.requires_grad for p in model.parameters()):  # frozen: not in checkpoints
         load_or_init_weights(model, cfg)
     # Weights, optimizer, scheduler and RNG, resharded to this world size; its train_state.
     resume_from, state = load_or_set_aside(resume_from, c, load_checkpoint, model, optimizer, scheduler)

@@ -199,14 +199,14 @@ def main(argv: list[str] | None = None) -> None:
     if p.cp_size > 1:  # attention all-gathers K/V over the cp group (common/cp.py)
         cfg.model.attn_implementation = cp.use_cp_attention()
     hf_config = load_model_config(cfg.model, seq_len)
-    cp.check_cp(seq_len, p.cp_size, True, hf_config)
+    text_config = hf_config.get_text_config()  # an image-text release's language model; else hf_config
+    cp.check_cp(seq_len, p.cp_size, True, text_config)
     model = build_meta_model(hf_config, cfg.model, t.gradient_checkpointing)  # on `meta`: no memory yet
     resolve_layer_classes(model, cfg.fsdp)  # a bad class name fails before any process group exists
     lora.add_adapters(model, cfg.lora, resolve_device(t.device).type)  # lora.r > 0: PEFT's; the base frozen
     loss.compute_loss_in_output_layer(model)  # train.loss_chunk_tokens: no full-vocabulary logits
 
-    # Meshes: FSDP over dp_shard, or HSDP over (dp_replicate, dp_shard); with CP, over dp_shard x cp, each
-    # rank training on its share of every sequence; with TP, over the data-parallel ranks, of TP pieces.
+    # Meshes: FSDP over dp_shard or HSDP over (dp_replicate, dp_shard); x cp with CP; x tp with TP.
     prepare_diagnostics(cfg)  # NCCL's flight recorder dumps under the run directory on a timeout
     d, device = init_distributed(t.device, p.timeout_minutes), resolve_device(t.device)
     verify_model_checksums(cfg.model, c.verify_checksums)  # each rank its share of the files: read once
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # Data before the model: a bad dataset fails before any memory. A dp rank's cp and tp peers share it.
     dp_rank = d.rank // (p.cp_size * p.tp_size)
-    tokenizer, data = build_batches(cfg.data, t, dp_rank, dp_size, d.is_main, hf_config.vocab_size)
+    tokenizer, data = build_batches(cfg.data, t, dp_rank, dp_size, d.is_main, text_config.vocab_size)
     held_out = held_out_batches(cfg.data, e, tokenizer, dp_rank, dp_size, d.is_main) if e.interval else []
     resume_from = find_resume_checkpoint(c.dir, c.resume, c.verify_checksums)  # rank 0 picks an undamaged one
 
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     init_buffers(model, device)
     optimizer = build_optimizer(model, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
-    if not resume_from or cfg.lora.r:  # a LoRA checkpoint holds the adapters; the base comes from here
+    if not resume_from or not all(p.requires_grad for p in model.parameters()):  # frozen: not in checkpoints
         load_or_init_weights(model, cfg)
     # Trained weights, optimizer, scheduler, RNG and data position, resharded to this world size.
     resume_from, state = load_or_set_aside(resume_from, c, load_checkpoint, model, optimizer, scheduler, data)

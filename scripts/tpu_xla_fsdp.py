@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from common.architectures import init_buffers
+from common.architectures import init_buffers, is_image_text
 from common.checkpoint import checkpoints_dir, finish_checkpoint, restore_train_state, train_state
 from common.config import Config, ConfigError, FsdpConfig
 from common.data.batches import build_batches
@@ -118,6 +118,11 @@ def build_model(cfg: Config) -> nn.Module:
     # eager attention's matmuls autocast, and XLA fuses them into one kernel anyway.
     cfg.model.attn_implementation = "eager"
     hf_config = load_model_config(cfg.model)
+    if is_image_text(hf_config):
+        raise ConfigError(
+            f"model {hf_config.model_type!r} is an image-text release, which the XLA recipe does not build; "
+            f"train it with scripts/pretrain_fsdp.py"
+        )
     if cfg.model.name_or_path:
         if is_sharded_export(cfg.model.name_or_path):
             raise ConfigError(

@@ -70,6 +70,8 @@ UNUSED_KEYS = {
     "train.verify_loss_at_start": "the XLA recipe's loss is full logits through the model's own forward",
     "train.device": "PJRT_DEVICE picks the device",
     "train.router_aux_loss_coef": "the XLA recipe trains dense models, which have no router",
+    "model.freeze_vision_tower": "the XLA recipe trains text models",
+    "model.freeze_multi_modal_projector": "the XLA recipe trains text models",
     "fsdp.cpu_ram_efficient_loading": "each XLA host loads the whole checkpoint",
     "parallelism.dp_shard_size": ONE_AXIS,
     "parallelism.fsdp_size": ONE_AXIS,

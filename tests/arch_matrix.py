@@ -171,7 +171,8 @@ def run_architecture(out: str, checkpoints: str, arch: str) -> None:
     source = os.path.join(checkpoints, arch)
     base = [f"model.name_or_path={source}", *COMMON]
     world = int(os.environ.get("WORLD_SIZE", 1))
-    if getattr(AutoConfig.from_pretrained(source), "base_model_ep_plan", None):  # a MoE model
+    text = AutoConfig.from_pretrained(source).get_text_config()  # an image-text release's language model
+    if getattr(text, "base_model_ep_plan", None):  # a MoE model
         runs = [("full", "finetune_moe_ep_fsdp", [f"parallelism.ep_size={world}"])]
     else:
         runs = [("full", "pretrain_fsdp", []), ("lora", "pretrain_fsdp", ["lora.r=4", "lora.alpha=8"])]

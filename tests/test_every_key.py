@@ -161,6 +161,8 @@ PRETRAIN = {
     "model.config": Acts("model.config.num_hidden_layers=1", differs(ready("params"))),
     "model.attn_implementation": Acts("eager", differs(layout("attn"))),
     "model.trust_remote_code": Acts("true", fails, ("model.name_or_path={remote_code}", "model.config={}")),
+    "model.freeze_vision_tower": Refused("false"),  # a text model; image-text: test_architectures.py
+    "model.freeze_multi_modal_projector": Refused("false"),
     "data.dataset": Acts("{documents}", LOSSES),
     "data.eval_dataset": Acts("embedded", differs(lambda r: len(events(r, "eval"))), EVAL_RUNS[1:]),
     "data.eval_split": Refused("validation"),  # a hub dataset's; the corpus and local files have one split
@@ -307,6 +309,8 @@ MOE_TABLE = {
         lambda base, run: "custom code" in base["error"] and "is a RemoteForCausalLM" in run["error"],
         ("model.name_or_path={remote_code}", "model.config={}"),
     ),
+    "model.freeze_vision_tower": Refused("false"),  # a text model; image-text: test_architectures.py
+    "model.freeze_multi_modal_projector": Refused("false"),
     # "arithmetic": its train part, or the held-out tenth under any other split; no configs.
     "data.split": Acts("test", LOSSES),
     "data.eval_split": Acts("train", differs(lambda r: [e["eval_loss"] for e in events(r, "eval")])),
@@ -375,6 +379,8 @@ EVAL_TABLE = {
     "model.config": Refused("model.config.num_hidden_layers=1"),
     "model.attn_implementation": Acts("eager", differs(layout("attn"))),
     "model.trust_remote_code": Acts("true", fails, ("model.name_or_path={remote_code}",)),
+    "model.freeze_vision_tower": Refused("false"),  # a text model; image-text: test_architectures.py
+    "model.freeze_multi_modal_projector": Refused("false"),
     "data.dataset": Acts("{documents}", differs(result("eval_loss"))),
     "data.eval_dataset": Acts("{documents}", differs(result("eval_loss"))),
     "data.eval_split": PRETRAIN["data.eval_split"],
@@ -494,6 +500,8 @@ TPU_TABLE = {
     "model.config": ReadBy("load_model_config"),
     "model.attn_implementation": Refused("flash_attention_2"),
     "model.trust_remote_code": ReadBy("build_model"),
+    "model.freeze_vision_tower": Refused("false"),  # a text model; image-text: test_architectures.py
+    "model.freeze_multi_modal_projector": Refused("false"),
     **{
         f"data.{key}": ReadBy("build_batches")
         for key in ("dataset", "pack", "tokenizer", "seq_len", "cache_dir")

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import transformers
 from torch import nn
 
 from common import cp, loss
@@ -112,7 +113,14 @@ def transformers_loss_sum(
     if hasattr(model.config, "output_router_logits"):  # the cross-entropy alone, without the router loss
         inputs["output_router_logits"] = False
     # The labels are shifted already, which shift_labels tells Transformers.
-    out = model(**inputs, labels=labels, shift_labels=labels)  # every rank: FSDP's forward is collective
+    try:
+        out = model(**inputs, labels=labels, shift_labels=labels)  # every rank: FSDP's forward is collective
+    except (AttributeError, TypeError) as e:  # the same on every rank: Transformers' code, not the data
+        raise ConfigError(
+            f"model_type {model.config.model_type!r}: its own forward in Transformers "
+            f"{transformers.__version__} fails on text ({type(e).__name__}: {e}), so its loss cannot be "
+            f"checked or trained here"
+        ) from None
     reshard(model)  # no backward frees the units kept all-gathered after forward
     tokens = (labels != -100).sum()
     return out.loss.double() * tokens if tokens else torch.zeros((), dtype=torch.float64)

@@ -35,7 +35,7 @@ def device_peak_flops(device: torch.device) -> float | None:
 def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     """Training FLOPs per token as PaLM (appendix B) and torchtitan count them: 6N (N without the input
     embedding, a lookup) + 12LHS for attention."""
-    config = model.config
+    config = model.config.get_text_config()  # an image-text release's language model
     dense = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
     return 6 * dense + 12 * config.num_hidden_layers * config.hidden_size * seq_len
 

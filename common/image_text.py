@@ -45,12 +45,10 @@ def freeze_vision(model: nn.Module, cfg: ModelConfig, image_text: bool) -> None:
                 )
         return
     tower, projector = vision_parameters(model)
-    frozen = set(tower if cfg.freeze_vision_tower else []) | set(
-        projector if cfg.freeze_multi_modal_projector else []
-    )
-    for name, parameter in model.named_parameters():
-        if name in frozen:
-            parameter.requires_grad_(False)
+    frozen = tower if cfg.freeze_vision_tower else []
+    frozen += projector if cfg.freeze_multi_modal_projector else []
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
 
 
 def copy_processor_files(source: str | None, out_dir: str) -> None:

@@ -63,11 +63,11 @@ def eval_mode(model: torch.nn.Module) -> Iterator[None]:
 def score_shard(model, batch, device, cp_state: CpState | None, attention: str, chunk: int) -> torch.Tensor:
     """[summed token loss, correct argmax predictions] (float64) on this rank's share of the batch (its cp
     positions), the output layer run `chunk` tokens at a time."""
-    input_ids, labels = batch.input_ids.to(device), batch.labels.to(device)
-    position_ids = None if batch.position_ids is None else batch.position_ids.to(device)
+    inputs, labels = batch.model_inputs(device), batch.labels.to(device)
+    input_ids, position_ids = inputs["input_ids"], inputs["position_ids"]
     score = partial(token_loss_sum, model, count_correct=True, chunk_tokens=chunk, use_cache=False)
     if cp_state is None:
-        return score(labels, input_ids=input_ids, position_ids=position_ids)
+        return score(labels, **inputs)
     if attention == "torch_cp":  # torch shards the three buffers in place, then runs ring attention
         position_ids = torch.arange(input_ids.shape[1], device=device).repeat(len(input_ids), 1)
         buffers = [input_ids, labels, position_ids]

@@ -120,7 +120,8 @@ def export_final(model: nn.Module, cfg: Config, tokenizer, device_type: str) -> 
     export_dir = os.path.join(cfg.checkpoint.dir, "export")
     if cfg.model.name_or_path and not is_sharded_export(cfg.model.name_or_path):
         keep_release_names(model, cfg.model.name_or_path, base_weights(model))
-    prepare_for_generation(model, tokenizer, from_scratch=not cfg.model.name_or_path)
+    special = getattr(tokenizer, "tokenizer", tokenizer)  # image-text records' processor: its tokenizer's ids
+    prepare_for_generation(model, special, from_scratch=not cfg.model.name_or_path)
     dtype = export_dtype(cfg, device_type)
     adapters = lora.has_adapters(model)
     if adapters and not cfg.lora.merge_on_export:  # small: gathered to rank 0 whatever state_dict_type says

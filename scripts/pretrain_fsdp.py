@@ -30,7 +30,8 @@ from common.checkpoint import (
 from common.config import Config, ConfigError, TrainConfig
 from common.data.batches import Batch, build_batches
 from common.data.checks import check_batch_sizes
-from common.data.held_out import held_out_batches
+from common.data.held_out import held_out_batches, held_out_source
+from common.data.image_records import refuse_images
 from common.evaluate import eval_mode, evaluate
 from common.mesh import build_meshes, init_distributed, resolve_device, resolve_dp_sizes
 from common.model import build_meta_model, load_model_config
@@ -61,14 +62,11 @@ def token_loss_sum(
     """Summed token loss; with context parallelism, over this rank's positions of each sequence only.
     Position ids that restart per packed document (data.document_mask) or SFT example keep attention
     inside it. The output layer and loss run chunk_tokens tokens at a time (common/loss.py)."""
-    input_ids, labels = batch.input_ids.to(device), batch.labels.to(device)
-    position_ids = None if batch.position_ids is None else batch.position_ids.to(device)
+    inputs, labels = batch.model_inputs(device), batch.labels.to(device)  # image-text rows: their images too
     if cp_state is None:
-        return loss.token_loss_sum(
-            model, labels, chunk_tokens, input_ids=input_ids, position_ids=position_ids
-        )
+        return loss.token_loss_sum(model, labels, chunk_tokens, **inputs)
     # Labels were shifted on the full row; inputs, labels and positions are sharded the same way.
-    inputs = cp_state.shard_inputs(input_ids, position_ids)
+    inputs = cp_state.shard_inputs(inputs["input_ids"], inputs["position_ids"])
     return loss.token_loss_sum(model, cp_state.shard(labels), chunk_tokens, **inputs)
 
 
@@ -184,6 +182,13 @@ def check_config(cfg: Config, world_size: int) -> tuple[int, int, int]:
             f"train.router_aux_loss_coef is {t.router_aux_loss_coef} but pretrain_fsdp.py trains no router "
             f"loss; leave it unset (MoE with its router loss: finetune_moe_ep_fsdp.py)"
         )
+    if p.cp_size > 1 or p.tp_size > 1:  # CP would split an image's tokens from its pixels; TP: untested
+        why = f"parallelism cp_size {p.cp_size} / tp_size {p.tp_size}: they train text only; set both to 1"
+        for key, source, split in (
+            ("data.dataset", cfg.data.dataset, cfg.data.split),
+            held_out_source(cfg.data),
+        ):
+            refuse_images(source, split, key, why)
     # Evaluation during training load-balances cp shards and all-gathers K/V, whatever these two say.
     refuse_set_keys(cfg, {f"eval.{key}": "only eval_cp.py reads it" for key in ("load_balance", "attention")})
     dp_replicate, dp_shard = resolve_dp_sizes(p, world_size)

@@ -13,6 +13,8 @@ does, it writes under `OUT/<arch>/<run>/`:
 - `step1-rank<r>.pt`: this rank's micro-batches of step 1 and the step's loss, and the full gradient norm of
   every parameter that got one (LoRA: the adapters');
 - `eval-rank<r>.pt`: this rank's held-out batches of the first evaluation and its result.
+A release with a processor also trains on the image-text records in `CHECKPOINTS/../shapes/` (runs `images`,
+`images_vision` with its vision side trained, `images_lora`).
 Never imported by scripts/ or common/.
 """
 
@@ -60,7 +62,7 @@ def rank() -> int:
 
 
 def plain(batch) -> dict:
-    return {k: getattr(batch, k) for k in ("input_ids", "labels", "position_ids")}
+    return {k: getattr(batch, k) for k in ("input_ids", "labels", "position_ids", "images")}
 
 
 def observe(script, out: str) -> None:
@@ -77,11 +79,8 @@ def observe(script, out: str) -> None:
         fixed, data = {}, rest[-1]
         if hasattr(data, "fixed_batch"):  # every rank scores the same batch: the means are one rank's
             batch = data.fixed_batch(2)
-            inputs = dict(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids)
-            if batch.position_ids is not None:
-                inputs["position_ids"] = batch.position_ids.to(device)
             with torch.no_grad():
-                summed = loss.token_loss_sum(model, batch.labels.to(device), 32, **inputs)
+                summed = loss.token_loss_sum(model, batch.labels.to(device), 32, **batch.model_inputs(device))
             scored = evaluate(model, [batch], device, None, 32)
             fixed = dict(batch=plain(batch), loss_sum=float(summed), evaluate=scored)
         if rank() == 0:
@@ -176,6 +175,12 @@ def run_architecture(out: str, checkpoints: str, arch: str) -> None:
         runs = [("full", "finetune_moe_ep_fsdp", [f"parallelism.ep_size={world}"])]
     else:
         runs = [("full", "pretrain_fsdp", []), ("lora", "pretrain_fsdp", ["lora.r=4", "lora.alpha=8"])]
+    if os.path.exists(os.path.join(source, "processor_config.json")):  # image-text records too
+        shapes = os.path.join(os.path.dirname(checkpoints), "shapes")
+        images = [f"data.dataset={shapes}/train.jsonl", f"data.eval_dataset={shapes}/held_out.jsonl"]
+        vision = ["model.freeze_vision_tower=false", "model.freeze_multi_modal_projector=false"]
+        runs += [("images", "pretrain_fsdp", images), ("images_vision", "pretrain_fsdp", images + vision)]
+        runs += [("images_lora", "pretrain_fsdp", [*images, "lora.r=4", "lora.alpha=8", vision[0]])]
     os.makedirs(os.path.join(out, arch), exist_ok=True)
     for run, name, extra in runs:
         run_dir = os.path.join(out, arch, run)

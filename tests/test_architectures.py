@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 import transformers
+from image_releases import WITH_PROCESSOR, add_processor, write_shape_records
 from peft import PeftModel
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -77,13 +78,20 @@ def matrix(tmp_path_factory) -> dict:
     for arch in DENSE + MOE + IMAGE_TEXT:
         torch.manual_seed(0)
         config = tiny_image_text_config(arch) if arch in IMAGE_TEXT else tiny_config(arch)
+        if arch in WITH_PROCESSOR:  # its tokenizer with image tokens, and its processor
+            add_processor(arch, config, checkpoints / arch)
         model = auto_class(config).from_config(config, dtype=torch.float32)
         plant_trained_biases(model)
-        save_release(model, checkpoints / arch)
-        if arch in IMAGE_TEXT:  # the image processor a release ships (PIL's: no torchvision here)
+        if arch in WITH_PROCESSOR:
+            model.save_pretrained(checkpoints / arch)
+        else:
+            save_release(model, checkpoints / arch)
+        if arch in IMAGE_TEXT and arch not in WITH_PROCESSOR:  # the image processor (PIL's: no torchvision)
             # Qwen3-VL-MoE ships Qwen3-VL's image processor
             names = image_processing_auto.IMAGE_PROCESSOR_MAPPING_NAMES[arch.replace("vl_moe", "vl")]
             getattr(transformers, names["pil"])().save_pretrained(checkpoints / arch)
+    write_shape_records(root / "shapes", 16)  # image-text records for the releases with a processor
+    write_shape_records(root / "shapes", 4, "held_out.jsonl", split="test")
     driver = os.path.join(os.path.dirname(__file__), "arch_matrix.py")
     for nproc in (1, 2):
         args = [str(root / f"ranks{nproc}"), str(checkpoints), *DENSE, *MOE, *IMAGE_TEXT]
@@ -229,8 +237,10 @@ def test_an_image_text_release_trains_its_language_model_and_exports_the_whole_r
     assert all(not torch.equal(exported[name], trained[name]) for name in language if "norm" not in name)
     assert type(after) is type(before)
     assert safetensors_keys(full_dir / "export") == safetensors_keys(release)
-    image_processor = "preprocessor_config.json"
-    assert (full_dir / "export" / image_processor).read_bytes() == (release / image_processor).read_bytes()
+    shipped = [name for name in image_text.PROCESSOR_FILES if (release / name).exists()]
+    assert "preprocessor_config.json" in shipped or "processor_config.json" in shipped
+    for name in shipped:
+        assert (full_dir / "export" / name).read_bytes() == (release / name).read_bytes(), name
     # AdamW's two fp32 moments for the language model's parameters only, over both ranks
     metrics = read_metrics(full_dir)
     frozen = sum(trained[name].numel() for name in tower + projector)
@@ -246,6 +256,120 @@ def test_an_image_text_release_trains_its_language_model_and_exports_the_whole_r
         with open(run_dir(matrix, 2, arch, "lora") / "export" / "adapter_config.json") as f:
             excluded = set(json.load(f)["exclude_modules"])
         assert excluded and excluded <= {name.rsplit(".", 1)[0] for name in tower + projector}
+
+
+@torch.no_grad()
+def hf_image_loss(model, batches: list[dict], pad_id: int) -> float:
+    """Transformers' own loss on image-text batches as the processor makes them for TRL's collator: its
+    attention mask, its image inputs, and labels on the answers (pre-shifted)."""
+    total, tokens = 0.0, 0
+    for batch in batches:
+        count = int((batch["labels"] != -100).sum())
+        if not count:
+            continue
+        out = model(
+            input_ids=batch["input_ids"],
+            attention_mask=(batch["input_ids"] != pad_id).long(),
+            **batch["images"],
+            labels=batch["labels"].contiguous(),
+            shift_labels=batch["labels"].contiguous(),
+            use_cache=False,
+        )
+        total, tokens = total + float(out.loss) * count, tokens + count
+    return total / tokens
+
+
+@pytest.mark.parametrize("arch", WITH_PROCESSOR)
+def test_an_image_text_release_fine_tunes_on_image_records_exactly(matrix, arch):
+    """TRL's records with images, rendered by the release's processor, one example per row: on 1 and 2 ranks,
+    with the vision side frozen, trained and with LoRA, the training loss at step 1, evaluate(), the fixed
+    batch and the start-up check are Transformers' own loss on the processed batches; the answers alone are
+    trained; the vision side gets gradients only where the keys say."""
+    model = reference(matrix, arch)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(matrix["checkpoints"] / arch)
+    loss_of = lambda batches: hf_image_loss(model, batches, tokenizer.pad_token_id)  # noqa: E731
+    tower, projector = image_text.vision_parameters(model)
+    for run in ("images", "images_vision", "images_lora"):
+        for nproc in (1, 2):
+            where = f"{arch} {run} on {nproc} rank(s)"
+            [ready] = records(matrix, nproc, arch, run, "ready.pt")
+            assert_is_transformers_model(ready, model)
+            step1 = records(matrix, nproc, arch, run, "step1-rank*.pt")
+            batches = [b for r in step1 for b in r["batches"]]
+            assert all(b["images"]["pixel_values"].shape[0] == len(b["input_ids"]) for b in batches), where
+            assert step1[0]["result"]["loss"] == pytest.approx(loss_of(batches), abs=ATOL), where
+            evals = records(matrix, nproc, arch, run, "eval-rank*.pt")
+            held_out = [b for r in evals for b in r["batches"]]
+            assert evals[0]["result"]["eval_loss"] == pytest.approx(loss_of(held_out), abs=ATOL), where
+            [fixed] = records(matrix, nproc, arch, run, "fixed.pt")
+            fixed_loss = loss_of([fixed["batch"]])
+            tokens = int((fixed["batch"]["labels"] != -100).sum())
+            assert fixed["loss_sum"] / tokens == pytest.approx(fixed_loss, abs=ATOL), where
+            checked = event(read_metrics(run_dir(matrix, nproc, arch, run)), "model_ready")["loss_at_start"]
+            assert checked["transformers"] == pytest.approx(fixed_loss, abs=ATOL), where
+            assert checked["train"] == checked["eval"] == pytest.approx(fixed_loss, abs=ATOL), where
+        one, two = (read_metrics(run_dir(matrix, n, arch, run)) for n in (1, 2))
+        assert [r["loss"] for r in one if "step" in r and "loss" in r] == pytest.approx(
+            [r["loss"] for r in two if "step" in r and "loss" in r], abs=ATOL
+        )
+        # The answer is the only target: "a red circle" and the end of the turn, never the image or question
+        for batch in batches:
+            for labels in batch["labels"]:
+                answer = tokenizer.decode(labels[labels != -100])
+                assert answer.startswith("a ") and answer.endswith("<|eos|>") and len(answer.split()) == 3
+        trained = set(records(matrix, 2, arch, run, "step1-rank*.pt")[0]["grad_norms"])
+        vision = {n for n in trained for v in tower + projector if n.replace(".base_layer", "") == v}
+        if run == "images":
+            assert not vision and trained, "a frozen vision side got gradients"
+        elif run == "images_vision":  # all but what the release's forward leaves unused (SigLIP's head)
+            assert set(projector) <= vision and {n for n in tower if ".head." not in n} == vision - set(
+                projector
+            )
+        else:  # LoRA with the tower unfrozen: adapters in the vision tower, none in the frozen projector
+            lora_tower = {n.split(".lora_")[0] for n in trained if "lora_" in n}
+            assert any(n.startswith(tuple(t.rsplit(".", 2)[0] for t in tower)) for n in lora_tower)
+
+
+@pytest.mark.parametrize("arch", WITH_PROCESSOR)
+def test_an_image_text_export_reloads_with_its_processor_and_answers_an_image(matrix, arch):
+    """Trained on images: the FULL export loads in AutoModelForImageTextToText and AutoProcessor and
+    generates from an image and a prompt; what stayed frozen comes out bit for bit and what trained
+    changed; PEFT loads the LoRA export on the release with the trained loss."""
+    from PIL import Image
+
+    release = reference(matrix, arch)
+    tower, projector = image_text.vision_parameters(release)
+    weights = dict(release.named_parameters())
+    for run in ("images", "images_vision"):
+        export = run_dir(matrix, 2, arch, run) / "export"
+        changed = records(matrix, 2, arch, run, "step1-rank*.pt")[0]["grad_norms"]  # what trained
+        trained = transformers.AutoModelForImageTextToText.from_pretrained(export, dtype=torch.float32)
+        exported = dict(trained.named_parameters())
+        for name in tower + projector:
+            assert torch.equal(exported[name], weights[name]) == (name not in changed), name
+        [fixed] = records(matrix, 2, arch, run, "fixed.pt")
+        final = event(read_metrics(run_dir(matrix, 2, arch, run)), "final")
+        pad_id = transformers.AutoTokenizer.from_pretrained(export).pad_token_id
+        assert final["fixed_batch_loss"] == pytest.approx(
+            hf_image_loss(trained, [fixed["batch"]], pad_id), abs=ATOL
+        )
+        processor = transformers.AutoProcessor.from_pretrained(export)
+        question = [{"type": "image"}, {"type": "text", "text": "What is this?"}]
+        prompt = processor.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True
+        )
+        image = Image.new("RGB", (16, 16), (220, 30, 30))
+        inputs = processor(text=[prompt], images=[[image]], return_tensors="pt")
+        generated = trained.generate(**inputs, max_new_tokens=4, do_sample=False)
+        assert generated.shape[1] == inputs["input_ids"].shape[1] + 4
+    lora_dir = run_dir(matrix, 2, arch, "images_lora")
+    adapted = PeftModel.from_pretrained(release, str(lora_dir / "export"))
+    [fixed] = records(matrix, 2, arch, "images_lora", "fixed.pt")
+    final = event(read_metrics(lora_dir), "final")
+    pad_id = transformers.AutoTokenizer.from_pretrained(matrix["checkpoints"] / arch).pad_token_id
+    assert final["fixed_batch_loss"] == pytest.approx(
+        hf_image_loss(adapted, [fixed["batch"]], pad_id), abs=ATOL
+    )
 
 
 def test_an_image_text_release_trains_under_cp_hsdp_and_tp_or_says_why_not(matrix, tmp_path):
@@ -357,6 +481,36 @@ def test_a_release_whose_own_forward_fails_on_text_is_one_line_on_every_rank(tmp
         assert code == 2 and len(lines) == 1 and "Traceback" not in stderr, stderr[-2000:]
         assert lines[0].startswith(f"[rank{rank}] config error: model_type 'llama4': its own forward in")
     assert not os.path.exists(tmp_path / "run" / "export")
+
+
+def test_image_records_where_they_do_not_train_yet_are_one_line_on_every_rank(matrix, tmp_path):
+    """Image records under CP or TP, in the MoE recipe or eval_cp.py, or given to a text model: one line
+    naming the key and what to change, on every rank, before any work."""
+    shapes = matrix["root"] / "shapes"
+    release, text = matrix["checkpoints"] / "gemma3", matrix["checkpoints"] / "llama"
+    tiny = os.path.join(launch.REPO, "configs", "debug_tiny.json")
+    images = [
+        "--config",
+        tiny,
+        "model.config={}",
+        f"data.dataset={shapes / 'train.jsonl'}",
+        "data.seq_len=64",
+    ]
+    cases = [
+        ("pretrain_fsdp.py", [f"model.name_or_path={release}", "parallelism.cp_size=2"], "cp_size 2"),
+        ("pretrain_fsdp.py", [f"model.name_or_path={release}", "parallelism.tp_size=2"], "tp_size 2"),
+        ("finetune_moe_ep_fsdp.py", [f"model.name_or_path={release}"], "finetune_moe_ep_fsdp.py trains"),
+        ("eval_cp.py", [f"model.name_or_path={release}"], "eval_cp.py scores text only"),
+        ("pretrain_fsdp.py", [f"model.name_or_path={text}"], "no image processor"),
+    ]
+    for script, args, says in cases:
+        run = tmp_path / script / says.replace(" ", "_")
+        results = each_rank(script, [*images, *args, f"checkpoint.dir={run}"])
+        for rank, (code, stderr) in enumerate(results):
+            lines = [line for line in stderr.splitlines() if "config error" in line]
+            assert code == 2 and len(lines) == 1 and "Traceback" not in stderr, (script, says, stderr[-2000:])
+            assert lines[0].startswith(f"[rank{rank}] config error: data.") and says in lines[0], lines[0]
+        assert not (run / "export").exists()
 
 
 def test_attention_follows_the_model_and_a_bad_value_is_one_line(tmp_path):

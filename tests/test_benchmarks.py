@@ -20,6 +20,7 @@ from launch import REPO, env, free_port
         ["roofline.py", "--tiny"],
         ["loss_chunks.py", "--tiny"],
         ["vs_trainer.py", "--tiny", "--budget-gib", "8", "--lora", "4"],  # LoRA on both sides, and the search
+        ["vlm_vs_trainer.py", "--tiny"],
         ["reshard_rule.py", "--tiny"],
         ["ac_policy.py", "--tiny"],
         ["weights_io.py", "--tiny"],

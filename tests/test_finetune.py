@@ -353,6 +353,31 @@ def test_dense_sft_counts_answer_tokens_only(sft_one_process):
     assert (prompt == -100).any() and (prompt != -100).any()
 
 
+def test_debug_vlm_config_learns_the_held_out_shapes_and_exports_a_release(tmp_path):
+    """The shipped image-text config (a Gemma 3 from scratch, the built-in shapes task made on the fly): the
+    held-out loss falls below a quarter of its step-0 value, and the export loads in AutoProcessor and
+    AutoModelForImageTextToText and answers a held-out image in the task's form."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from common.data.image_records import COLOURS, shape_records
+
+    config = os.path.join(REPO, "configs", "debug_vlm.json")
+    run("pretrain_fsdp.py", ["--config", config, f"checkpoint.dir={tmp_path / 'run'}"], nproc=2, timeout=600)
+    logged = {step: r["eval_loss"] for step, r in evals(read_metrics(tmp_path / "run")).items()}
+    assert logged[max(logged)] < 0.25 * logged[0], logged
+    export = tmp_path / "run" / "export"
+    processor, model = (
+        AutoProcessor.from_pretrained(export),
+        AutoModelForImageTextToText.from_pretrained(export),
+    )
+    record = shape_records("test")[0]  # held out: the test split is drawn apart from the training one
+    prompt = processor.apply_chat_template(record["messages"][:1], add_generation_prompt=True)
+    inputs = processor(text=[prompt], images=[record["images"]], return_tensors="pt")
+    answer = model.generate(**inputs, max_new_tokens=10, do_sample=False)[0, inputs["input_ids"].shape[1] :]
+    words = processor.tokenizer.decode(answer, skip_special_tokens=True).split()
+    assert len(words) == 3 and words[0] == "a" and words[1] in COLOURS, words
+
+
 def test_debug_sft_config_learns_the_held_out_task_and_exports_a_chat_model(tmp_path):
     """The shipped config, fine-tuning with a chat template: the held-out loss falls below half its
     step-0 value, and the export keeps the template and answers a held-out prompt with generate()."""

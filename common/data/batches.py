@@ -170,6 +170,13 @@ class Batch:
     labels: torch.Tensor  # [micro_batch, seq_len], -100 where no loss is taken
     position_ids: torch.Tensor | None = None  # restart at 0 per packed example (SFT) or document
     token_mask: torch.Tensor | None = None  # SFT: True for real tokens, False for padding
+    images: dict[str, torch.Tensor] | None = None  # image-text rows: the processor's pixel values and grids
+
+    def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor | None]:
+        """The forward's inputs on `device`: token and position ids, and an image-text row's image inputs."""
+        position_ids = None if self.position_ids is None else self.position_ids.to(device)
+        images = {name: value.to(device) for name, value in (self.images or {}).items()}
+        return {"input_ids": self.input_ids.to(device), "position_ids": position_ids, **images}
 
 
 def document_positions(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -310,14 +317,18 @@ def build_batches(
     cfg: DataConfig, t: TrainConfig, dp_rank: int, dp_size: int, is_main: bool, vocab_size: int | None = None
 ):
     """(tokenizer, this rank's batches of train.global_batch_size and train.micro_batch_size): packed text,
-    or SFT rows trained on the answers only. The tokenizer must fit the model's `vocab_size`, if given."""
-    from common.data import sft  # sft builds on this module
+    SFT rows trained on the answers only, or image-text rows (then the release's processor, not its
+    tokenizer). The tokenizer must fit the model's `vocab_size`, if given."""
+    from common.data import image_records, sft  # they build on this module
 
-    if not cfg.streaming and sft.is_sft(cfg.dataset, cfg.text_field, cfg.split):
+    if not cfg.streaming and image_records.has_images(cfg.dataset, cfg.split):
+        tokenizer, batches = image_records.build_image_batches(cfg, t, dp_rank, dp_size, is_main)
+    elif not cfg.streaming and sft.is_sft(cfg.dataset, cfg.text_field, cfg.split):
         return sft.build_sft_batches(cfg, t, dp_rank, dp_size, is_main, vocab_size)
-    tokenizer, batches = _text_batches(cfg, t, dp_rank, dp_size, is_main)
+    else:
+        tokenizer, batches = _text_batches(cfg, t, dp_rank, dp_size, is_main)
     if vocab_size is not None:
-        check_vocab_size(tokenizer, vocab_size)
+        check_vocab_size(getattr(tokenizer, "tokenizer", tokenizer), vocab_size)  # a processor's tokenizer
     return tokenizer, batches
 
 

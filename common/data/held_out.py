@@ -20,16 +20,14 @@ from common.data.batches import (
 )
 from common.data.checks import check_records, text_needs
 from common.data.embedded import embedded_documents
+from common.data.image_records import has_images, held_out_image_batches
 from common.data.sft import is_sft, sft_batch, sft_rows_path
 
 
 def held_out_rows(cfg: DataConfig, e: EvalConfig, tokenizer, is_main: bool) -> Batch:
     """All held-out rows as one Batch: labels shifted on the full row; SFT rows with answer-only labels and
     position ids restarting per example; text rows with per-document position ids under data.document_mask."""
-    key, source = (
-        ("data.eval_dataset", cfg.eval_dataset) if cfg.eval_dataset else ("data.dataset", cfg.dataset)
-    )
-    split = cfg.eval_split if cfg.eval_dataset else cfg.split
+    key, source, split = held_out_source(cfg)
     if is_sft(source, cfg.text_field, split):
         rows = np.load(sft_rows_path(cfg, tokenizer, source, split, is_main, key), mmap_mode="r")
         return sft_batch(np.asarray(rows[: e.max_sequences]))
@@ -42,6 +40,13 @@ def held_out_rows(cfg: DataConfig, e: EvalConfig, tokenizer, is_main: bool) -> B
         path = prepare_local_data(cfg, is_main)
     rows = np.asarray(np.load(path, mmap_mode="r")[: e.max_sequences])
     return to_batch(rows, pad_token_id(tokenizer), tokenizer.eos_token_id if cfg.document_mask else None)
+
+
+def held_out_source(cfg: DataConfig) -> tuple[str, str | list, str]:
+    """(its config key, the held-out dataset, its split): data.eval_dataset, or else data.dataset."""
+    if cfg.eval_dataset:
+        return "data.eval_dataset", cfg.eval_dataset, cfg.eval_split
+    return "data.dataset", cfg.dataset, cfg.split
 
 
 def _documents(cfg: DataConfig, source, split: str, files: list[str] | None) -> list[str]:
@@ -84,4 +89,7 @@ def rank_batches(rows: Batch, batch_size: int, dp_rank: int, dp_size: int) -> li
 
 def held_out_batches(cfg: DataConfig, e: EvalConfig, tokenizer, dp_rank: int, dp_size: int, is_main: bool):
     """This data-parallel rank's batches of the held-out rows."""
+    key, source, split = held_out_source(cfg)
+    if has_images(source, split):  # rendered by the release's processor, a micro-batch at a time
+        return held_out_image_batches(cfg, e, source, split, key, dp_rank, dp_size, is_main)
     return rank_batches(held_out_rows(cfg, e, tokenizer, is_main), e.batch_size, dp_rank, dp_size)

@@ -47,19 +47,25 @@ def is_sft(source: str | list, text_field: str, split: str = "train") -> bool:
         return True
     if source == "embedded":
         return False
+    first = first_record(source, split)
+    return text_field not in first and ("messages" in first or {"prompt", "completion"} <= set(first))
+
+
+def first_record(source: str | list, split: str) -> dict:
+    """The first record of local files or a hub dataset's `split`; {} for text files or what cannot be read
+    here (the text path then reports it, with its own message)."""
     files = local_files(source)
     if files and LOCAL_FORMATS[os.path.splitext(files[0])[1]] == "text":
-        return False
+        return {}
     try:
         if files:
-            first = next(iter(load_local(files, "train", streaming=True)), {})
-        else:
-            import datasets
+            return next(iter(load_local(files, "train", streaming=True)), {})
+        import datasets
 
-            first = next(iter(datasets.load_dataset(source, split=split, streaming=True)), {})
-    except Exception:  # unreadable here: the text path reports it, with its own message
-        return False
-    return text_field not in first and ("messages" in first or {"prompt", "completion"} <= set(first))
+        whole = split.split("[")[0]  # a stream has no slices ("train[:1000]"); its first record is the same
+        return next(iter(datasets.load_dataset(source, split=whole, streaming=True)), {})
+    except Exception:  # the hub client and the file readers raise many types
+        return {}
 
 
 def _read_examples(source: str | list, split: str, key: str) -> list[dict]:

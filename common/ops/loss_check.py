@@ -39,6 +39,8 @@ def probe_rows(data, held_out: list, rows: int) -> Batch | None:
         batch = held_out[0]
     else:
         return None
+    if batch.images is not None:  # whole rows: an image's tokens match its pixels
+        return batch
     short = Batch(
         *(
             None if t is None else t[:PROBE_ROWS, :PROBE_TOKENS].contiguous()
@@ -103,12 +105,9 @@ def transformers_loss_sum(
     """The model's own loss (its forward with labels, Transformers' loss_function) times the target tokens,
     on this rank's positions."""
     labels = own_labels(batch, cp_state).to(device).contiguous()
-    input_ids = batch.input_ids.to(device)
-    position_ids = None if batch.position_ids is None else batch.position_ids.to(device)
-    if cp_state is None:
-        inputs = {"input_ids": input_ids, "position_ids": position_ids}
-    else:
-        inputs = cp_state.shard_inputs(input_ids, position_ids)
+    inputs = batch.model_inputs(device)
+    if cp_state is not None:
+        inputs = cp_state.shard_inputs(inputs["input_ids"], inputs["position_ids"])
     inputs["use_cache"] = False
     if hasattr(model.config, "output_router_logits"):  # the cross-entropy alone, without the router loss
         inputs["output_router_logits"] = False

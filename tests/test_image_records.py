@@ -1,0 +1,121 @@
+"""Image-text records (common/data/image_records.py), in one process: the release's processor renders them,
+the answer alone is a target, a record too long for a row is left out and counted, and records that do not
+match their images are one line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import transformers
+from image_releases import add_processor, write_shape_records
+from test_architectures import tiny_image_text_config
+
+from common.config import ConfigError, DataConfig, TrainConfig
+from common.data.batches import PAD
+from common.data.image_records import build_image_batches, rows_path
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma3")
+    add_processor("gemma3", tiny_image_text_config("gemma3"), path)
+    return path
+
+
+def data(release, records, seq_len: int = 64, **keys) -> DataConfig:
+    return DataConfig(
+        dataset=str(records),
+        tokenizer=str(release),
+        seq_len=seq_len,
+        cache_dir=str(records.parent / "cache"),
+        **keys,
+    )
+
+
+def test_the_answer_alone_is_a_target_and_each_batch_is_the_processors_output(release, tmp_path):
+    records = write_shape_records(tmp_path, 6)
+    cfg = data(release, tmp_path / "train.jsonl")
+    processor, batches = build_image_batches(
+        cfg, TrainConfig(global_batch_size=4, micro_batch_size=2), 0, 1, True
+    )
+    [first, second] = batches.micro_batches(0)
+    texts = [json.loads(line) for line in open(records)]
+    for batch in (first, second):
+        # padded to the longer record, less the last token (a target only)
+        assert batch.input_ids.shape == batch.labels.shape and batch.position_ids is None
+        assert batch.input_ids.shape[0] == 2 and batch.input_ids.shape[1] < 64
+        assert (batch.input_ids != processor.tokenizer.pad_token_id).sum(1).max() == batch.input_ids.shape[1]
+        assert set(batch.images) == {"pixel_values", "token_type_ids"}
+        assert batch.images["pixel_values"].shape == (2, 3, 16, 16)
+        for labels in batch.labels:
+            answer = processor.tokenizer.decode(labels[labels != -100])
+            assert answer in {f"{r['messages'][1]['content'][0]['text']}<|eos|>" for r in texts}, answer
+    # The same rows, rendered again by the processor on a batch of one, give the same tokens
+    fixed = batches.fixed_batch(1)
+    text = processor.apply_chat_template(texts[0]["messages"], tokenize=False)
+    from PIL import Image
+
+    image = Image.open(tmp_path / texts[0]["images"][0]).convert("RGB")
+    alone = processor(text=[text], images=[[image]], add_special_tokens=False)
+    ids = alone["input_ids"][0]
+    assert fixed.input_ids[0, : len(ids) - 1].tolist() == ids[:-1]
+
+
+def test_a_record_longer_than_a_row_is_left_out_and_counted(release, tmp_path, capsys):
+    write_shape_records(tmp_path, 3)
+    cfg = data(release, tmp_path / "train.jsonl", seq_len=16)  # each renders to more than 17 tokens
+    with pytest.raises(ConfigError, match="no record with an assistant answer within data.seq_len"):
+        rows_path(
+            cfg,
+            transformers.AutoProcessor.from_pretrained(release),
+            cfg.dataset,
+            "train",
+            True,
+            "data.dataset",
+        )
+    assert (
+        "3 of 3 records render to more than data.seq_len + 1 = 17 tokens and are left out"
+        in capsys.readouterr().out
+    )
+    cfg = data(release, tmp_path / "train.jsonl", seq_len=64)
+    path = rows_path(
+        cfg, transformers.AutoProcessor.from_pretrained(release), cfg.dataset, "train", True, "data.dataset"
+    )
+    rows = np.load(path)
+    assert rows.shape == (3, 3, 65) and (rows[:, 0, -1] == PAD).all()
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        (lambda r: r["images"].append(r["images"][0]), "1 image parts in its messages but 2 images"),
+        (lambda r: r.update(images=["images/missing.png"]), "cannot be opened"),
+        (lambda r: r.update(videos=["clip.mp4"]), "a record holds 'videos' inputs, which the recipes do not"),
+        (lambda r: r["messages"][0]["content"].append({"type": "audio"}), "a record holds 'audio' inputs"),
+    ],
+)
+def test_records_that_do_not_match_their_images_are_one_line(release, tmp_path, change, says):
+    write_shape_records(tmp_path, 2)
+    records = [json.loads(line) for line in open(tmp_path / "train.jsonl")]
+    change(records[1])
+    (tmp_path / "bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = data(release, tmp_path / "bad.jsonl")
+    with pytest.raises(ConfigError, match=says) as error:
+        build_image_batches(cfg, TrainConfig(global_batch_size=2, micro_batch_size=1), 0, 1, True)
+    assert str(error.value).startswith("data.dataset: ") and "\n" not in str(error.value)
+
+
+def test_the_real_image_text_config_passes_the_recipes_checks_on_8_ranks():
+    """configs/gemma3_vl_sft.json (Gemma 3 4B on TRL's image-text SFT records from the hub, not downloaded
+    here): every key is known and its sizes pass pretrain_fsdp.py's checks on 8 ranks, FSDP over all 8."""
+    import os
+
+    from arch_matrix import load_script
+
+    from common.ops.config_sources import load_config
+    from launch import REPO
+
+    cfg = load_config(os.path.join(REPO, "configs", "gemma3_vl_sft.json"))
+    assert load_script("pretrain_fsdp").check_config(cfg, 8) == (1, 8, 8)

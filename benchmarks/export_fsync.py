@@ -1,5 +1,6 @@
-"""What syncing the FULL export to disk costs: common/weights.export_full with its fsyncs, and with them
-skipped (os.fsync patched out here, as the export was written before 2026-12-06).
+"""What syncing the FULL export to disk, and reading it back, cost: common/weights.export_full as it runs
+(synced, then each rank's regions read back and hashed: common/export_check.py), without the read-back, and
+without the fsyncs too (both patched out here, as the export was written before 2026-12-06).
 
     python benchmarks/export_fsync.py [--repeats 3] [--tiny]
 
@@ -27,11 +28,11 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.export_write_once import sharded_llama
-from common import weights
+from common import export_check, weights
 from common.config import Config
 from tests.launch import run_command, tiny, torchrun
 
-MODES = ("not synced", "synced")
+MODES = ("not synced", "synced", "synced, read back")
 
 
 def as_rank(work: str, repeats: int) -> None:
@@ -41,10 +42,11 @@ def as_rank(work: str, repeats: int) -> None:
     model = sharded_llama()
     cfg = Config()
     cfg.checkpoint.max_shard_size = "1MB" if tiny() else "1GB"  # several files either way
-    times, fsync = {mode: [] for mode in MODES}, os.fsync
+    times, fsync, check = {mode: [] for mode in MODES}, os.fsync, export_check.check_written
     for _ in range(repeats):
         for mode in MODES:
-            os.fsync = fsync if mode == "synced" else lambda fd: None
+            os.fsync = fsync if mode != "not synced" else lambda fd: None
+            export_check.check_written = check if mode == "synced, read back" else lambda *args: None
             if dist.get_rank() == 0:
                 os.sync()  # each export starts with no dirty pages of the last one to write back
             dist.barrier()
@@ -54,7 +56,7 @@ def as_rank(work: str, repeats: int) -> None:
             if dist.get_rank() == 0:
                 shutil.rmtree(f"{work}/export")
             dist.barrier()
-    os.fsync = fsync
+    os.fsync, export_check.check_written = fsync, check
     if dist.get_rank() == 0:
         with open(f"{work}/times.json", "w") as f:
             json.dump(times, f)

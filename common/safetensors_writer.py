@@ -9,6 +9,7 @@ import math
 import os
 
 import torch
+import xxhash
 from safetensors.torch import save
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData
@@ -65,6 +66,7 @@ class SafetensorsInPlace(FileSystemWriter):
     def __init__(self, path: str, offsets: dict[str, tuple[str, int]]) -> None:
         super().__init__(path)
         self.offsets = offsets
+        self.written = []  # (file, position, length, xxh3-64 of the bytes): read back by export_check.py
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         fds = {}
@@ -76,6 +78,8 @@ class SafetensorsInPlace(FileSystemWriter):
                 tensor = planner.resolve_data(item).detach().cpu().contiguous()
                 data, done = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()), 0
                 for offset, length in chunk_ranges(item.tensor_data, tensor.element_size()):
+                    digest = xxhash.xxh3_64_intdigest(data[done : done + length])
+                    self.written.append((file, start + offset, length, digest))
                     while length:  # pwrite may write less than asked
                         n = os.pwrite(fds[file], data[done : done + length], start + offset)
                         done, offset, length = done + n, offset + n, length - n

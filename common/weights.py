@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 from transformers.core_model_loading import build_glob_alternation, revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-from common import experts, image_text, joined_weights, lora, manifest, quantized
+from common import experts, export_check, image_text, joined_weights, lora, manifest, quantized
 from common.architectures import auto_class
 from common.checkpoint_layout import INDEX, checkpoint_layout, files_alone, keep_release_names
 from common.config import Config, resolve_mixed_precision
@@ -164,6 +164,7 @@ def export_full(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype, c
     split = save_pretrained_split(whole, cfg.checkpoint.max_shard_size)
     files = split.filename_to_tensors  # one file: model.safetensors
     tmp, (headers, offsets) = f"{out_dir}.tmp", safetensors_layout(whole, files)
+    export_check.check_free_space(tmp, sum(size for _, size in headers.values()))  # the files are sparse
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -172,7 +173,9 @@ def export_full(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype, c
                 f.write(header)
                 f.truncate(size)
     dist.barrier()  # the files exist before any rank writes into them
-    dcp.save(state, storage_writer=SafetensorsInPlace(tmp, offsets))
+    writer = SafetensorsInPlace(tmp, offsets)
+    dcp.save(state, storage_writer=writer)
+    export_check.check_written(tmp, writer.written)  # each rank's bytes read back, before the manifest
     del state
     own = [file for i, file in enumerate(sorted(files), 1) if i % dist.get_world_size() == dist.get_rank()]
     every = [None] * dist.get_world_size()

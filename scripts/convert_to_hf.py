@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer
 from transformers.core_model_loading import revert_weight_conversion
 
-from common import manifest
+from common import export_check, manifest
 from common.architectures import auto_class
 from common.config import ConfigError
 from common.ops.cli import run_cli
@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     source = {key: name for name, keys in keys_of.items() for key in keys}
     split = save_pretrained_split(whole, args.max_shard_size)
     tmp = f"{args.out}.tmp"
+    export_check.check_free_space(tmp, sum(t.numel() * t.element_size() for t in whole.values()))
     if rank == 0:
         for line in recover_moved(args.out):  # what a killed conversion left: one line each
             print(line, flush=True)

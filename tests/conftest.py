@@ -1,5 +1,8 @@
 import os
+import subprocess
 import sys
+
+import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -37,3 +40,18 @@ SLOWEST_FIRST = [
 def pytest_collection_modifyitems(items) -> None:
     order = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: a file keeps its own order
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """An 11 MB tmpfs: room for one checkpoint of the tiny model at 2 ranks (7.4 MB), not two; a test can
+    remount it at another size (`mount -o remount,size=...`)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=11m", "tmpfs", str(mount)], capture_output=True
+    )
+    if proc.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.decode().strip()}); it needs root")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)

@@ -28,6 +28,7 @@ ADDED_SINCE = (
     "common/checkpoint_layout.py",
     "common/evaluate.py",
     "common/experts.py",
+    "common/export_check.py",
     "common/image_text.py",
     "common/joined_weights.py",
     "common/lora.py",

@@ -381,20 +381,6 @@ def test_resuming_an_older_step_starts_a_branch_that_auto_then_follows(tmp_path)
     assert [record["step"] for record in steps(resumed)] == [7, 8]
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """An 11 MB tmpfs: room for one checkpoint of the tiny model at 2 ranks (7.4 MB), not two."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=11m", "tmpfs", str(mount)], capture_output=True
-    )
-    if proc.returncode:
-        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.decode().strip()}); it needs root")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
-
-
 @pytest.mark.parametrize("write", ["sync", "async"])
 def test_a_full_disk_during_a_checkpoint_write_stops_cleanly_and_resumes(small_disk, write):
     run_dir = small_disk / "run"

@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -21,6 +22,7 @@ from launch import (
     anonymous_rise,
     anonymous_rises,
     assert_same_weights,
+    each_rank,
     event,
     host_memory_env,
     pretrain,
@@ -111,6 +113,47 @@ def test_the_export_is_on_disk_before_its_rename_and_the_rename_after_it(tmp_pat
     everything = {f"{tmp}/{name}" for name in os.listdir(export)} | {tmp}
     last = {path: i for i, path in enumerate(synced[0])}  # where each was last synced
     assert everything <= last.keys() and last[f"{tmp_path}/run"] > max(last[path] for path in everything)
+
+
+def test_a_filesystem_that_keeps_only_the_last_writers_copy_stops_the_export_in_one_line(tmp_path):
+    """gcsfuse's semantics (tests/with_last_writer.py): rank 1's copy of the file wins and rank 0's regions
+    come back as zeros. Each rank reads back what it wrote before the manifest, so every rank stops with the
+    same line, exit 1, and the previous export is the one in place, byte for byte."""
+    args = ["--config", TINY, "fsdp.state_dict_type=FULL_STATE_DICT", f"checkpoint.dir={tmp_path / 'run'}"]
+    pretrain(tmp_path / "run", "train.steps=1", "fsdp.state_dict_type=FULL_STATE_DICT")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "run" / "export").iterdir()}
+    results = each_rank("pretrain_fsdp.py", [*args, "train.steps=2"], wrapper="with_last_writer.py")
+    for code, stderr in results:
+        lines = [line for line in stderr.splitlines() if line.startswith("export: ")]
+        assert code == 1 and len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+        assert "model.safetensors first) do not hold the bytes their ranks wrote" in lines[0], lines[0]
+        assert "does not keep concurrent writes to one file" in lines[0]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "run" / "export").iterdir()} == before
+
+
+def test_an_export_or_conversion_that_does_not_fit_is_one_line_before_any_byte_is_written(small_disk):
+    """A 9 MB disk holds the run's checkpoint (7.6 MB) but not its export beside it (2.4 MB): the files would
+    be created sparse and fill the disk halfway through the writes, so their size is checked first. Every
+    rank stops with one line naming the path, the bytes needed and the bytes free, exit 1, nothing written;
+    converting the checkpoint onto the same disk says the same."""
+    subprocess.run(["mount", "-o", "remount,size=9m", str(small_disk)], check=True)
+    run_dir = small_disk / "run"
+    args = ["--config", TINY, f"checkpoint.dir={run_dir}", "train.steps=1"]
+    for code, stderr in each_rank("pretrain_fsdp.py", [*args, "fsdp.state_dict_type=FULL_STATE_DICT"]):
+        lines = [line for line in stderr.splitlines() if line.startswith("export: ")]
+        assert code == 1 and len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+        assert (
+            lines[0].startswith(f"export: {run_dir}/export.tmp needs ")
+            and "bytes but its filesystem has" in lines[0]
+        )
+    assert not [name for name in os.listdir(run_dir) if name.startswith("export")]
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["step-1"]
+    converted = small_disk / "converted"
+    proc = run(
+        "convert_to_hf.py", [str(run_dir / "checkpoints" / "step-1"), str(converted)], nproc=0, check=False
+    )
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"export: {converted}.tmp needs " in proc.stderr and not os.path.exists(f"{converted}.tmp")
 
 
 def test_a_run_killed_anywhere_in_moving_its_export_into_place_never_stops_the_next_one(tmp_path):
@@ -384,3 +427,21 @@ def test_a_model_loaded_from_name_or_path_keeps_its_own_special_ids(tmp_path):
     exported = json.loads((tmp_path / "loaded" / "export" / "config.json").read_text())
     assert [exported[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")] == [5, 6, 7]
     assert exported["use_cache"] is True
+
+
+def test_a_full_disk_in_the_middle_of_a_write_is_one_line_from_any_rank():
+    """After the free-space check, another job can still fill the disk: the OSError, or DCP's
+    CheckpointException that carries any rank's to every rank, becomes run_cli's one line; other errors
+    keep their traceback."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from common.ops.cli import disk_full
+
+    full = OSError(errno.ENOSPC, "No space left on device", "/x/export.tmp/model.safetensors")
+    for error in (full, CheckpointException("save", {1: (full, None)})):
+        line = disk_full(error)
+        assert line.startswith("no space left on the device writing /x/export.tmp/model.safetensors: ")
+        assert "\n" not in line
+    assert disk_full(OSError(errno.EIO, "Input/output error")) is None and disk_full(RuntimeError()) is None

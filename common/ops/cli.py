@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import sys
 
@@ -76,6 +77,7 @@ def run_cli(main, argv: list[str] | None = None) -> None:
     """Run a script's main(argv): bad input is one line and exit 2 on every rank, with no traceback; a stop
     that every rank takes together (a non-finite loss, say) is its one line and exit 1."""
     import torch.distributed as dist  # here: --help and config errors need no torch before main() runs
+    from torch.distributed.checkpoint.api import CheckpointException
 
     # The process group and threads of a program that calls main() itself (a notebook, say) are its own.
     had_group, had_threads = dist.is_initialized(), len(collective_threads())
@@ -92,9 +94,28 @@ def run_cli(main, argv: list[str] | None = None) -> None:
         if isinstance(exit_code, str):
             print_line(exit_code)
             exit_code = 1
+    except (OSError, CheckpointException) as error:  # DCP gives every rank each rank's failure
+        if (line := disk_full(error)) is None:
+            raise
+        print_line(line)
+        exit_code = 1
     if not had_group and dist.is_initialized():  # main() left early: a config error, a NaN stop
         dist.destroy_process_group()
     end_process(exit_code, had_threads)
+
+
+def disk_full(error: BaseException) -> str | None:
+    """The one line for a full disk in the middle of a write (an OSError, or DCP's CheckpointException
+    carrying one from any rank), or None for any other error."""
+    causes = [error, *(e for e, _ in getattr(error, "failures", {}).values())]
+    full = next((e for e in causes if isinstance(e, OSError) and e.errno == errno.ENOSPC), None)
+    if full is None:
+        return None
+    where = full.filename or "the output directory"
+    return (
+        f"no space left on the device writing {where}: free space or write elsewhere (checkpoint.dir); what "
+        f"was being written stays under its .tmp name, and the previous export and checkpoints are untouched"
+    )
 
 
 def print_line(text: str) -> None:

@@ -101,6 +101,31 @@ def force_fsdp_on_cpu(args: TrainingArguments) -> None:
         state.distributed_type = DistributedType.MULTI_GPU  # only read by AcceleratorState, which sets FSDP
 
 
+def cpu_fsdp2_arguments(name: str, layer_classes: list[str], **kwargs) -> TrainingArguments:
+    """The Trainer's arguments for FSDP2 over a gloo group on CPU (`layer_classes` its units), with
+    force_fsdp_on_cpu applied; `kwargs`, the run's own."""
+    args = TrainingArguments(
+        output_dir=os.path.join(tempfile.gettempdir(), name),
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        ddp_backend="gloo",
+        fsdp=True,
+        fsdp_config={
+            "version": 2,
+            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "transformer_layer_cls_to_wrap": layer_classes,
+            "reshard_after_forward": True,
+            "state_dict_type": "FULL_STATE_DICT",
+        },
+        logging_steps=1,
+        disable_tqdm=True,
+        **kwargs,
+    )
+    force_fsdp_on_cpu(args)  # sets up the gloo group (args.distributed_state) first
+    return args
+
+
 def check_fsdp2(model: torch.nn.Module, world: int) -> dict:
     units = sum(isinstance(m, FSDPModule) for m in model.modules())
     params = list(model.parameters())
@@ -189,20 +214,9 @@ def main() -> None:
         raise SystemExit(f"--global-batch-size must be a multiple of micro-batch-size x {world} ranks")
 
     extra = {**(BEST if a.best else {}), **a.trainer_args}
-    args = TrainingArguments(
-        output_dir=os.path.join(tempfile.gettempdir(), "trainer_baseline"),
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        ddp_backend="gloo",
-        fsdp=True,
-        fsdp_config={
-            "version": 2,
-            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-            "reshard_after_forward": True,
-            "state_dict_type": "FULL_STATE_DICT",
-        },
+    args = cpu_fsdp2_arguments(
+        "trainer_baseline",
+        ["LlamaDecoderLayer"],
         max_steps=a.steps,
         per_device_train_batch_size=a.micro_batch_size,
         gradient_accumulation_steps=a.global_batch_size // (a.micro_batch_size * world),
@@ -217,12 +231,9 @@ def main() -> None:
         lr_scheduler_kwargs={"min_lr_rate": a.min_lr_ratio},
         train_sampling_strategy="sequential",  # the recipe's sample order; the rows are already shuffled
         remove_unused_columns=False,  # keep shift_labels, which forward() takes only through **kwargs
-        logging_steps=1,
-        disable_tqdm=True,
         seed=a.seed,
         **extra,
     )
-    force_fsdp_on_cpu(args)  # sets up the gloo group (args.distributed_state) first
 
     data_cfg = DataConfig(seq_len=a.seq_len, embedded_max_bytes=a.embedded_max_bytes)
     # One sample per "step" on one "rank": batches.micro_batches(k) is then exactly the recipe's sample k.

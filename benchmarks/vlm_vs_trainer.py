@@ -89,40 +89,27 @@ def trainer(release: str, steps: int, micro: int) -> dict:
 def trainer_run(release: str, out: str, steps: int, micro: int) -> None:
     """Under torchrun: the Trainer with TRL's collator on the same release and records."""
     import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor, Trainer, TrainingArguments
+    from transformers import AutoModelForImageTextToText, AutoProcessor, Trainer
     from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
-    from benchmarks.trainer_baseline import CPU, GIB, Probe, force_fsdp_on_cpu
+    from benchmarks.trainer_baseline import CPU, GIB, Probe, cpu_fsdp2_arguments
     from common import image_text
+    from common.config import FsdpConfig
     from common.data.image_records import shape_records
     from common.mesh import gather
     from common.ops.metrics import peak_memory_bytes
+    from common.wrap import resolve_layer_classes
 
     model = AutoModelForImageTextToText.from_pretrained(release, dtype=torch.float32)
-    args = TrainingArguments(
-        output_dir=os.path.join(tempfile.gettempdir(), "vlm_trainer_baseline"),
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        ddp_backend="gloo",
-        fsdp=True,
-        fsdp_config={
-            "version": 2,
-            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            # the classes of _no_split_modules the model holds, as the recipe wraps (common/wrap.py)
-            "transformer_layer_cls_to_wrap": sorted(
-                {type(m).__name__ for m in model.modules()} & set(model._no_split_modules)
-            ),
-            "reshard_after_forward": True,
-        },
+    layers = sorted(resolve_layer_classes(model, FsdpConfig()))  # the units the recipe wraps
+    args = cpu_fsdp2_arguments(
+        "vlm_trainer_baseline",
+        layers,
         max_steps=steps,
         per_device_train_batch_size=micro,
         learning_rate=3e-3,
         remove_unused_columns=False,  # the collator takes the records' messages and images
-        logging_steps=1,
-        disable_tqdm=True,
     )
-    force_fsdp_on_cpu(args)
     tower, projector = image_text.vision_parameters(model)
     for name in tower + projector:  # frozen, as the recipe's defaults
         model.get_parameter(name).requires_grad_(False)

@@ -35,7 +35,7 @@ from common.architectures import init_buffers
 from common.config import Config, ConfigError
 from common.data.batches import load_tokenizer
 from common.data.embedded import ensure_embedded_tokenizer
-from common.data.held_out import held_out_rows, held_out_source, rank_batches
+from common.data.held_out import held_out_rows, rank_batches
 from common.data.image_records import refuse_images
 from common.data.sft import is_sft
 from common.evaluate import evaluate
@@ -61,9 +61,8 @@ def check_config(cfg: Config, world_size: int) -> str:
             raise ConfigError(
                 f"parallelism.{key} is {getattr(p, key)} but eval_cp.py shards over dp x cp only; set it to 1"
             )
-    key, source, split = held_out_source(cfg.data)
     refuse_images(
-        source, split, key, "eval_cp.py scores text only yet (pretrain_fsdp.py's eval.interval scores them)"
+        cfg.data, "eval_cp.py scores text only yet (pretrain_fsdp.py's eval.interval scores them)", False
     )
     if world_size % p.cp_size:
         raise ConfigError(f"parallelism.cp_size={p.cp_size} does not divide the world size {world_size}")

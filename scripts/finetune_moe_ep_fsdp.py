@@ -37,7 +37,7 @@ from common.checkpoint import (
 from common.config import Config, ConfigError, TrainConfig
 from common.data.batches import Batch
 from common.data.checks import check_batch_sizes
-from common.data.held_out import held_out_batches, held_out_source
+from common.data.held_out import held_out_batches
 from common.data.image_records import refuse_images
 from common.data.sft import build_sft_batches
 from common.evaluate import eval_mode, evaluate
@@ -212,8 +212,7 @@ def check_config(cfg: Config, world_size: int, model) -> tuple[MoeSizes, int, Ca
         )
     if cfg.data.dataset == "embedded":
         raise ConfigError("data.dataset is 'embedded' (pretraining text); give SFT JSONL or 'arithmetic'")
-    for key, source, split in (("data.dataset", cfg.data.dataset, cfg.data.split), held_out_source(cfg.data)):
-        refuse_images(source, split, key, "finetune_moe_ep_fsdp.py trains MoE releases on text only yet")
+    refuse_images(cfg.data, "finetune_moe_ep_fsdp.py trains MoE releases on text only yet")
     if cfg.fsdp.xla:
         raise ConfigError(
             "fsdp.xla is true, which is the PyTorch/XLA recipe: run scripts/tpu_xla_fsdp.py, or set "

@@ -30,7 +30,7 @@ from common.checkpoint import (
 from common.config import Config, ConfigError, TrainConfig
 from common.data.batches import Batch, build_batches
 from common.data.checks import check_batch_sizes
-from common.data.held_out import held_out_batches, held_out_source
+from common.data.held_out import held_out_batches
 from common.data.image_records import refuse_images
 from common.evaluate import eval_mode, evaluate
 from common.mesh import build_meshes, init_distributed, resolve_device, resolve_dp_sizes
@@ -184,11 +184,7 @@ def check_config(cfg: Config, world_size: int) -> tuple[int, int, int]:
         )
     if p.cp_size > 1 or p.tp_size > 1:  # CP would split an image's tokens from its pixels; TP: untested
         why = f"parallelism cp_size {p.cp_size} / tp_size {p.tp_size}: they train text only; set both to 1"
-        for key, source, split in (
-            ("data.dataset", cfg.data.dataset, cfg.data.split),
-            held_out_source(cfg.data),
-        ):
-            refuse_images(source, split, key, why)
+        refuse_images(cfg.data, why)
     # Evaluation during training load-balances cp shards and all-gathers K/V, whatever these two say.
     refuse_set_keys(cfg, {f"eval.{key}": "only eval_cp.py reads it" for key in ("load_balance", "attention")})
     dp_replicate, dp_shard = resolve_dp_sizes(p, world_size)

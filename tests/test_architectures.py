@@ -123,17 +123,22 @@ def reference(matrix: dict, arch: str, path: str | None = None):
 
 
 @torch.no_grad()
-def hf_loss(model, batches: list[dict]) -> float:
+def hf_loss(model, batches: list[dict], pad_id: int | None = None) -> float:
     """Transformers' own loss (its loss_function, mean over target tokens) on pre-shifted labels,
-    token-weighted over the batches."""
+    token-weighted over the batches. Image-text batches (`pad_id` given) go in as the processor makes them for
+    TRL's collator: its attention mask and its image inputs, and the model's own positions."""
     total, tokens = 0.0, 0
     for batch in batches:
         count = int((batch["labels"] != -100).sum())
         if not count:
             continue
+        if pad_id is None:
+            inputs = {"position_ids": batch["position_ids"]}
+        else:
+            inputs = {"attention_mask": (batch["input_ids"] != pad_id).long(), **batch["images"]}
         out = model(
             input_ids=batch["input_ids"],
-            position_ids=batch["position_ids"],
+            **inputs,
             labels=batch["labels"].contiguous(),
             shift_labels=batch["labels"].contiguous(),
             use_cache=False,  # with a cache, Transformers does not detect packed examples by position ids
@@ -258,27 +263,6 @@ def test_an_image_text_release_trains_its_language_model_and_exports_the_whole_r
         assert excluded and excluded <= {name.rsplit(".", 1)[0] for name in tower + projector}
 
 
-@torch.no_grad()
-def hf_image_loss(model, batches: list[dict], pad_id: int) -> float:
-    """Transformers' own loss on image-text batches as the processor makes them for TRL's collator: its
-    attention mask, its image inputs, and labels on the answers (pre-shifted)."""
-    total, tokens = 0.0, 0
-    for batch in batches:
-        count = int((batch["labels"] != -100).sum())
-        if not count:
-            continue
-        out = model(
-            input_ids=batch["input_ids"],
-            attention_mask=(batch["input_ids"] != pad_id).long(),
-            **batch["images"],
-            labels=batch["labels"].contiguous(),
-            shift_labels=batch["labels"].contiguous(),
-            use_cache=False,
-        )
-        total, tokens = total + float(out.loss) * count, tokens + count
-    return total / tokens
-
-
 @pytest.mark.parametrize("arch", WITH_PROCESSOR)
 def test_an_image_text_release_fine_tunes_on_image_records_exactly(matrix, arch):
     """TRL's records with images, rendered by the release's processor, one example per row: on 1 and 2 ranks,
@@ -287,7 +271,7 @@ def test_an_image_text_release_fine_tunes_on_image_records_exactly(matrix, arch)
     trained; the vision side gets gradients only where the keys say."""
     model = reference(matrix, arch)
     tokenizer = transformers.AutoTokenizer.from_pretrained(matrix["checkpoints"] / arch)
-    loss_of = lambda batches: hf_image_loss(model, batches, tokenizer.pad_token_id)  # noqa: E731
+    loss_of = lambda batches: hf_loss(model, batches, tokenizer.pad_token_id)  # noqa: E731
     tower, projector = image_text.vision_parameters(model)
     for run in ("images", "images_vision", "images_lora"):
         for nproc in (1, 2):
@@ -351,7 +335,7 @@ def test_an_image_text_export_reloads_with_its_processor_and_answers_an_image(ma
         final = event(read_metrics(run_dir(matrix, 2, arch, run)), "final")
         pad_id = transformers.AutoTokenizer.from_pretrained(export).pad_token_id
         assert final["fixed_batch_loss"] == pytest.approx(
-            hf_image_loss(trained, [fixed["batch"]], pad_id), abs=ATOL
+            hf_loss(trained, [fixed["batch"]], pad_id), abs=ATOL
         )
         processor = transformers.AutoProcessor.from_pretrained(export)
         question = [{"type": "image"}, {"type": "text", "text": "What is this?"}]
@@ -367,9 +351,7 @@ def test_an_image_text_export_reloads_with_its_processor_and_answers_an_image(ma
     [fixed] = records(matrix, 2, arch, "images_lora", "fixed.pt")
     final = event(read_metrics(lora_dir), "final")
     pad_id = transformers.AutoTokenizer.from_pretrained(matrix["checkpoints"] / arch).pad_token_id
-    assert final["fixed_batch_loss"] == pytest.approx(
-        hf_image_loss(adapted, [fixed["batch"]], pad_id), abs=ATOL
-    )
+    assert final["fixed_batch_loss"] == pytest.approx(hf_loss(adapted, [fixed["batch"]], pad_id), abs=ATOL)
 
 
 def test_an_image_text_release_trains_under_cp_hsdp_and_tp_or_says_why_not(matrix, tmp_path):

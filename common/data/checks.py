@@ -101,6 +101,13 @@ def check_vocab_size(tokenizer, vocab_size: int) -> None:
         )
 
 
+def held_out_source(cfg: DataConfig) -> tuple[str, str | list, str]:
+    """(its config key, the held-out dataset, its split): data.eval_dataset, or else data.dataset."""
+    if cfg.eval_dataset:
+        return "data.eval_dataset", cfg.eval_dataset, cfg.eval_split
+    return "data.dataset", cfg.dataset, cfg.split
+
+
 def check_split_keys(cfg: DataConfig) -> None:
     """data.split, eval_split and dataset_config choose among a hub dataset's splits and configs (the
     "arithmetic" task has a train split and a held-out one). The embedded corpus and local files have one of

@@ -18,7 +18,7 @@ from common.data.batches import (
     text_column,
     to_batch,
 )
-from common.data.checks import check_records, text_needs
+from common.data.checks import check_records, held_out_source, text_needs
 from common.data.embedded import embedded_documents
 from common.data.image_records import has_images, held_out_image_batches
 from common.data.sft import is_sft, sft_batch, sft_rows_path
@@ -40,13 +40,6 @@ def held_out_rows(cfg: DataConfig, e: EvalConfig, tokenizer, is_main: bool) -> B
         path = prepare_local_data(cfg, is_main)
     rows = np.asarray(np.load(path, mmap_mode="r")[: e.max_sequences])
     return to_batch(rows, pad_token_id(tokenizer), tokenizer.eos_token_id if cfg.document_mask else None)
-
-
-def held_out_source(cfg: DataConfig) -> tuple[str, str | list, str]:
-    """(its config key, the held-out dataset, its split): data.eval_dataset, or else data.dataset."""
-    if cfg.eval_dataset:
-        return "data.eval_dataset", cfg.eval_dataset, cfg.eval_split
-    return "data.dataset", cfg.dataset, cfg.split
 
 
 def _documents(cfg: DataConfig, source, split: str, files: list[str] | None) -> list[str]:

@@ -21,6 +21,7 @@ from common.data.batches import (
     local_files,
     prepare_local_data,
 )
+from common.data.checks import held_out_source
 from common.data.embedded import embedded_tokenizer_dir, ensure_embedded_tokenizer
 
 # TRL's columns of media beside `messages`; only images are rendered, the others are one line
@@ -77,10 +78,13 @@ def has_images(source: str | list | None, split: str = "train") -> bool:
     return "messages" in first and any(column in first for column in MEDIA_COLUMNS)
 
 
-def refuse_images(source, split: str, key: str, why: str) -> None:
-    """One line where a recipe, or a setting, does not train on image-text records yet."""
-    if has_images(source, split):
-        raise ConfigError(f"{key} {source!r} holds image-text records (an 'images' column) but {why}")
+def refuse_images(cfg: DataConfig, why: str, training: bool = True) -> None:
+    """One line where a recipe, or a setting, does not train on image-text records yet, in data.dataset
+    (`training`) or the held-out set."""
+    sources = [("data.dataset", cfg.dataset, cfg.split)] if training else []
+    for key, source, split in [*sources, held_out_source(cfg)]:
+        if has_images(source, split):
+            raise ConfigError(f"{key} {source!r} holds image-text records (an 'images' column) but {why}")
 
 
 def load_processor(cfg: DataConfig):

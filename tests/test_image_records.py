@@ -14,7 +14,7 @@ from test_architectures import tiny_image_text_config
 
 from common.config import ConfigError, DataConfig, TrainConfig
 from common.data.batches import PAD
-from common.data.image_records import build_image_batches, rows_path
+from common.data.image_records import build_image_batches, read_records, rows_path
 
 
 @pytest.fixture(scope="module")
@@ -66,23 +66,18 @@ def test_the_answer_alone_is_a_target_and_each_batch_is_the_processors_output(re
 def test_a_record_longer_than_a_row_is_left_out_and_counted(release, tmp_path, capsys):
     write_shape_records(tmp_path, 3)
     cfg = data(release, tmp_path / "train.jsonl", seq_len=16)  # each renders to more than 17 tokens
+    processor, (records, folder) = (
+        transformers.AutoProcessor.from_pretrained(release),
+        read_records(cfg.dataset, "train", "data.dataset"),
+    )
     with pytest.raises(ConfigError, match="no record with an assistant answer within data.seq_len"):
-        rows_path(
-            cfg,
-            transformers.AutoProcessor.from_pretrained(release),
-            cfg.dataset,
-            "train",
-            True,
-            "data.dataset",
-        )
+        rows_path(cfg, processor, cfg.dataset, "train", True, "data.dataset", records, folder)
     assert (
         "3 of 3 records render to more than data.seq_len + 1 = 17 tokens and are left out"
         in capsys.readouterr().out
     )
     cfg = data(release, tmp_path / "train.jsonl", seq_len=64)
-    path = rows_path(
-        cfg, transformers.AutoProcessor.from_pretrained(release), cfg.dataset, "train", True, "data.dataset"
-    )
+    path = rows_path(cfg, processor, cfg.dataset, "train", True, "data.dataset", records, folder)
     rows = np.load(path)
     assert rows.shape == (3, 3, 65) and (rows[:, 0, -1] == PAD).all()
 

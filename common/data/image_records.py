@@ -219,13 +219,14 @@ def example_tokens(processor, record: dict, folder: str | None, key: str) -> tup
     return ids, answer
 
 
-def rows_path(cfg: DataConfig, processor, source, split: str, is_main: bool, key: str) -> str:
-    """The cached [N, 3, seq_len + 1] rows: token ids, answer flags and the record's index (PAD past the
-    end). A record longer than the row is left out, and counted in one line: its image tokens cannot be
-    cut."""
+def rows_path(
+    cfg: DataConfig, processor, source, split: str, is_main: bool, key: str, records, folder
+) -> str:
+    """The cached [N, 3, seq_len + 1] rows of `records` (read_records' of `source`): token ids, answer flags
+    and the record's index (PAD past the end). A record longer than the row is left out, and counted in one
+    line: its image tokens cannot be cut."""
 
     def build() -> np.ndarray:
-        records, folder = read_records(source, split, key)
         rows, too_long = [], 0
         for index, record in enumerate(records):
             ids, answer = example_tokens(processor, record, folder, key)
@@ -313,8 +314,8 @@ def build_image_batches(cfg: DataConfig, t: TrainConfig, dp_rank: int, dp_size: 
     data.dataset)."""
     ensure_embedded_tokenizer(cfg, is_main)
     processor = load_processor(cfg)
-    path = rows_path(cfg, processor, cfg.dataset, cfg.split, is_main, "data.dataset")
     records, folder = read_records(cfg.dataset, cfg.split, "data.dataset")
+    path = rows_path(cfg, processor, cfg.dataset, cfg.split, is_main, "data.dataset", records, folder)
     batches = ImageBatches(path, 0, t.seed, t.global_batch_size, t.micro_batch_size, dp_rank, dp_size)
     return processor, batches.setup(processor, records, folder, "data.dataset")
 
@@ -324,7 +325,7 @@ def held_out_image_batches(
 ) -> list[Batch]:
     """This data-parallel rank's batches of the first eval.max_sequences image-text records of `source`."""
     processor = load_processor(cfg)
-    path = rows_path(cfg, processor, source, split, is_main, key)
     records, folder = read_records(source, split, key)
+    path = rows_path(cfg, processor, source, split, is_main, key, records, folder)
     rows = ImageBatches(path, 0, 0, 1, 1, dp_rank, dp_size).setup(processor, records, folder, key)
     return rows.held_out(e.max_sequences, e.batch_size, dp_rank, dp_size)

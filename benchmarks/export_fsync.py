@@ -1,6 +1,7 @@
 """What syncing the FULL export to disk, and reading it back, cost: common/weights.export_full as it runs
 (synced, then each rank's regions read back and hashed: common/export_check.py), without the read-back, and
-without the fsyncs too (both patched out here, as the export was written before 2026-12-06).
+without the fsyncs too (both patched out here, as the export was written before 2026-12-06); and as it runs
+with checkpoint.export_writers=one (each file gathered to one rank, which writes it alone).
 
     python benchmarks/export_fsync.py [--repeats 3] [--tiny]
 
@@ -32,7 +33,7 @@ from common import export_check, weights
 from common.config import Config
 from tests.launch import run_command, tiny, torchrun
 
-MODES = ("not synced", "synced", "synced, read back")
+MODES = ("not synced", "synced", "synced, read back", "one writer a file")
 
 
 def as_rank(work: str, repeats: int) -> None:
@@ -46,7 +47,8 @@ def as_rank(work: str, repeats: int) -> None:
     for _ in range(repeats):
         for mode in MODES:
             os.fsync = fsync if mode != "not synced" else lambda fd: None
-            export_check.check_written = check if mode == "synced, read back" else lambda *args: None
+            export_check.check_written = check if mode in MODES[2:] else lambda *args: None
+            cfg.checkpoint.export_writers = "one" if mode == "one writer a file" else "all"
             if dist.get_rank() == 0:
                 os.sync()  # each export starts with no dirty pages of the last one to write back
             dist.barrier()

@@ -151,11 +151,15 @@ def complete_save(
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
     full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-    why = f"the disk is full ({error.strerror})" if full else str(error)
     name = os.path.basename(final)
     intact = [s for s in saved_steps(root) if s < int(name.removeprefix("step-"))]
     previous = f"step-{intact[-1]} is intact" if intact else "there is no earlier checkpoint"
-    fix = "Free space" if full else "Fix that"
+    why, fix = str(error), "Fix that"
+    if full:  # the next one needs about what the last one took (a flat directory)
+        last = sum(e.stat().st_size for e in os.scandir(f"{root}/step-{intact[-1]}")) if intact else 0
+        took = f"step-{intact[-1]} took {last:,} bytes, " if intact else ""
+        why = f"the disk is full ({error.strerror}; {took}{shutil.disk_usage(root).free:,} are free)"
+        fix = "Free space"
     raise CheckpointNotWritten(
         f"checkpoint {name} could not be written: {why}, under {root}; removed the partial "
         f"{name}.tmp, and {previous}. {fix} and rerun the same command to resume"

@@ -135,6 +135,8 @@ class CheckpointConfig:
     # fsdp.mixed_precision's param_dtype, bf16 on CUDA by default)
     max_shard_size: str | int = "5GB"
     export_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    # all: every rank writes its part of each file (POSIX filesystems) | one: one rank a file (object stores)
+    export_writers: Literal["all", "one"] = "all"
 
 
 @dataclass

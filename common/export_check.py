@@ -3,15 +3,19 @@ needs a filesystem that keeps concurrent writers' bytes (Lustre, GPFS, NFS, loca
 do not: gcsfuse uploads each writer's copy of a file when it is closed, and the last upload wins, so the other
 ranks' regions come back as zeros. Each rank reads back what it wrote and compares hashes, so the manifest's
 checksums are of bytes that are really there (docs/checkpoints.md, "Which filesystems"). And a full disk:
-the files are created sparse, so the space they need is checked before the first byte is written."""
+the files are created sparse, so the space they need is checked before the first byte is written, and a
+disk that fills after that check is one line too."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import shutil
 
 import torch.distributed as dist
 import xxhash
+from torch.distributed.checkpoint.api import CheckpointException
 
 
 def lost_files(path: str, written: list[tuple[str, int, int, int]]) -> list[str]:
@@ -53,3 +57,28 @@ def check_free_space(path: str, needed: int) -> None:
             f"export: {path} needs {needed:,} bytes but its filesystem has {free:,} free; free space or "
             f"write elsewhere (checkpoint.dir). Nothing was written, and the previous export is untouched"
         )
+
+
+def no_space_error(error: BaseException) -> BaseException | None:
+    """The no-space error in `error`, or in DCP's CheckpointException, which carries every rank's failure to
+    every rank; None for any other error. safetensors' save_file raises its own, with the OS error in its
+    text."""
+    causes = [error, *(e for e, _ in getattr(error, "failures", {}).values())]
+    no_space = f"(os error {errno.ENOSPC})"
+    return next((e for e in causes if getattr(e, "errno", None) == errno.ENOSPC or no_space in str(e)), None)
+
+
+@contextlib.contextmanager
+def full_disk_is_one_line(path: str, needed: int):
+    """The writes of an export or a conversion, where the disk fills after check_free_space (another job
+    writing to it): one line naming the path, the bytes it needs and the bytes free now."""
+    try:
+        yield
+    except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+        if no_space_error(error) is None:
+            raise
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+        raise SystemExit(
+            f"export: the disk filled while {path} was written: it needs {needed:,} bytes and {free:,} are "
+            f"free now; free space or write elsewhere (checkpoint.dir). The previous export is untouched"
+        ) from None

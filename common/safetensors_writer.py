@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import os
+from collections.abc import Iterable
 
 import torch
 import xxhash
@@ -69,15 +70,24 @@ class SafetensorsInPlace(FileSystemWriter):
         self.written = []  # (file, position, length, xxh3-64 of the bytes): read back by export_check.py
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self.write_regions((i.index.fqn, planner.resolve_data(i), i.tensor_data) for i in plan.items)
+        future = Future()
+        future.set_result([WriteResult(item.index, item.tensor_storage_size(), None) for item in plan.items])
+        return future
+
+    def write_regions(self, items: Iterable[tuple[str, torch.Tensor, TensorWriteData | None]]) -> None:
+        """Each (key, tensor, the chunk of the key's weight it is, or None: all of it) at its place in its
+        file, its bytes hashed for the read-back and synced."""
         fds = {}
         try:
-            for item in plan.items:
-                file, start = self.offsets[item.index.fqn]
+            for key, tensor, chunk in items:
+                file, start = self.offsets[key]
                 if file not in fds:
                     fds[file] = os.open(os.path.join(self.path, file), os.O_WRONLY)
-                tensor = planner.resolve_data(item).detach().cpu().contiguous()
+                tensor = tensor.detach().cpu().contiguous()
                 data, done = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()), 0
-                for offset, length in chunk_ranges(item.tensor_data, tensor.element_size()):
+                ranges = chunk_ranges(chunk, tensor.element_size()) if chunk else [(0, len(data))]
+                for offset, length in ranges:
                     digest = xxhash.xxh3_64_intdigest(data[done : done + length])
                     self.written.append((file, start + offset, length, digest))
                     while length:  # pwrite may write less than asked
@@ -88,9 +98,6 @@ class SafetensorsInPlace(FileSystemWriter):
         finally:
             for fd in fds.values():
                 os.close(fd)
-        future = Future()
-        future.set_result([WriteResult(item.index, item.tensor_storage_size(), None) for item in plan.items])
-        return future
 
     def finish(self, metadata, results) -> None:
         pass  # no DCP metadata: the files are save_pretrained's

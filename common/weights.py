@@ -26,6 +26,7 @@ from common import experts, export_check, image_text, joined_weights, lora, mani
 from common.architectures import auto_class
 from common.checkpoint_layout import INDEX, checkpoint_layout, files_alone, keep_release_names
 from common.config import Config, resolve_mixed_precision
+from common.export_one_writer import write_each_file_from_one_rank
 from common.model import init_weights
 from common.safetensors_writer import SafetensorsInPlace, safetensors_layout
 
@@ -164,7 +165,7 @@ def export_full(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype, c
     split = save_pretrained_split(whole, cfg.checkpoint.max_shard_size)
     files = split.filename_to_tensors  # one file: model.safetensors
     tmp, (headers, offsets) = f"{out_dir}.tmp", safetensors_layout(whole, files)
-    export_check.check_free_space(tmp, sum(size for _, size in headers.values()))  # the files are sparse
+    export_check.check_free_space(tmp, needed := sum(size for _, size in headers.values()))  # sparse files
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -174,7 +175,11 @@ def export_full(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype, c
                 f.truncate(size)
     dist.barrier()  # the files exist before any rank writes into them
     writer = SafetensorsInPlace(tmp, offsets)
-    dcp.save(state, storage_writer=writer)
+    with export_check.full_disk_is_one_line(tmp, needed):
+        if cfg.checkpoint.export_writers == "one":  # object-store mounts: one writer per file
+            write_each_file_from_one_rank(writer, state, whole, files)
+        else:
+            dcp.save(state, storage_writer=writer)
     export_check.check_written(tmp, writer.written)  # each rank's bytes read back, before the manifest
     del state
     own = [file for i, file in enumerate(sorted(files), 1) if i % dist.get_world_size() == dist.get_rank()]

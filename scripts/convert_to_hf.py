@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     source = {key: name for name, keys in keys_of.items() for key in keys}
     split = save_pretrained_split(whole, args.max_shard_size)
     tmp = f"{args.out}.tmp"
-    export_check.check_free_space(tmp, sum(t.numel() * t.element_size() for t in whole.values()))
+    export_check.check_free_space(tmp, needed := sum(t.numel() * t.element_size() for t in whole.values()))
     if rank == 0:
         for line in recover_moved(args.out):  # what a killed conversion left: one line each
             print(line, flush=True)
@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
         for name in names:  # under save_pretrained's keys; fused experts split back by Transformers
             saved |= revert_weight_conversion(model, {name: tensors.pop(name)})
         cast = {k: saved.pop(k).to(dtype, copy=True) for k in file_keys}  # copies: no shared storage
-        save_file(cast, os.path.join(tmp, file), metadata={"format": "pt"})  # save_pretrained's header
+        with export_check.full_disk_is_one_line(tmp, needed):
+            save_file(cast, os.path.join(tmp, file), metadata={"format": "pt"})  # save_pretrained's header
         written.update(manifest.describe(tmp, [file]))
     every = [written]
     if dist.is_initialized():

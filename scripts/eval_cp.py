@@ -140,7 +140,7 @@ def check_config(cfg: Config, world_size: int) -> str:
         ],
         "checkpoint": [
             *("interval", "keep_latest", "resume", "export", "async_save", "load_best_model_at_end"),
-            *("max_shard_size", "export_dtype"),
+            *("max_shard_size", "export_dtype", "export_writers"),
         ],
         "metrics": ["log_every", "comm_stats", "tensorboard", "peak_flops"],
         "eval": ["interval", "early_stopping_patience", "early_stopping_threshold"],

@@ -5,6 +5,9 @@ and the paths common/weights.py, DCP and FSDP's offload take (docs/memory.md#hos
 from __future__ import annotations
 
 import argparse
+import math
+
+from huggingface_hub.serialization._base import parse_size_to_int  # save_pretrained's parser (no public one)
 
 from common import manifest
 from common.config import Config
@@ -49,6 +52,13 @@ def host_plan(cfg: Config, recipe: str, device_type: str, shards: list[dict], tr
         copies = s["trained_bytes"] + s["optimizer_bytes"] if c.async_save or not on_host else 0
         plan["checkpoint"].append(kept + copies if trains else 0)
         exported = export_bytes(cfg, s, on_host, export_dtype(cfg, device_type).itemsize)
+        if c.export_writers == "one":  # the file it writes, gathered: at most max_shard_size (or the model)
+            model_bytes = shards[0]["model_numel"] * export_dtype(cfg, device_type).itemsize
+            limit = (
+                c.max_shard_size if isinstance(c.max_shard_size, int) else parse_size_to_int(c.max_shard_size)
+            )
+            file = min(limit, model_bytes)
+            exported += file if rank < math.ceil(model_bytes / file) else 0  # file i is rank i's
         plan["export"].append(kept + exported if trains and c.export else 0)
     return plan
 

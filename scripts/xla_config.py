@@ -73,6 +73,7 @@ UNUSED_KEYS = {
     "model.freeze_vision_tower": "the XLA recipe trains text models",
     "model.freeze_multi_modal_projector": "the XLA recipe trains text models",
     "fsdp.cpu_ram_efficient_loading": "each XLA host loads the whole checkpoint",
+    "checkpoint.export_writers": "the XLA recipe's FULL export is written by process 0 alone",
     "parallelism.dp_shard_size": ONE_AXIS,
     "parallelism.fsdp_size": ONE_AXIS,
     "parallelism.timeout_minutes": "XLA's collectives have their own timeouts",

@@ -29,6 +29,7 @@ ADDED_SINCE = (
     "common/evaluate.py",
     "common/experts.py",
     "common/export_check.py",
+    "common/export_one_writer.py",
     "common/image_text.py",
     "common/joined_weights.py",
     "common/lora.py",

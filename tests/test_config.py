@@ -257,6 +257,17 @@ def test_max_shard_size_takes_what_save_pretrained_takes(size):
     assert is_shard_size(1_000_000) and not is_shard_size(0) and not is_shard_size(True)
 
 
+@pytest.mark.parametrize("key", ["max_shard_size=1MB", "export_dtype=bfloat16", "export_writers=one"])
+@pytest.mark.parametrize("export", ["fsdp.state_dict_type=SHARDED_STATE_DICT", "lora.r=4"])
+def test_a_key_that_shapes_a_full_export_is_an_error_with_any_other(key, export):
+    """A SHARDED export is DCP's files, and a LoRA one PEFT's adapters: keys of save_pretrained's layout would
+    do nothing there."""
+    name = key.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^checkpoint\.{name} is set but the export is (SHARDED|PEFT)"):
+        load_config(TINY, [f"checkpoint.{key}", export])
+    load_config(TINY, [f"checkpoint.{key}", "fsdp.state_dict_type=FULL_STATE_DICT"])
+
+
 @pytest.mark.parametrize("name", sorted(BAD_INPUTS))
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, name):
     overrides, message = BAD_INPUTS[name]

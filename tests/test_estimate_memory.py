@@ -240,6 +240,18 @@ def test_host_plan_rounds_pinned_offload_up_to_powers_of_two():
     assert host["resume"] == pinned + 3 * sum(chunks)  # the zero gradients AdamW's state is made with
 
 
+def test_host_plan_counts_the_file_each_rank_writes_alone_with_one_writer_a_file():
+    """checkpoint.export_writers=one: a rank holds the file it writes, gathered, at most max_shard_size; the
+    debug model in fp32 (7.2 MB) at 3MB is 3 files, so on 4 ranks the fourth writes none."""
+    full = ["fsdp.state_dict_type=FULL_STATE_DICT", "checkpoint.max_shard_size=3MB", "checkpoint.export=true"]
+    plans = [
+        estimate(DEBUG, 4, *full, f"checkpoint.export_writers={w}", device="cpu", quick=True)["host"]
+        for w in ("all", "one")
+    ]
+    rises = [one - every for every, one in zip(*(p["bytes_per_rank"]["export"] for p in plans))]
+    assert rises == [3_000_000] * 3 + [0], rises
+
+
 AC = "fsdp.activation_checkpointing=true"
 AC_POLICIES = {
     "none": [],

@@ -247,6 +247,11 @@ PRETRAIN = {
         "1MB", differs(lambda r: [f for f in files(r) if f.startswith("export")])
     ),
     "checkpoint.export_dtype": Acts("bfloat16", differs(exported_dtype)),
+    # The same bytes on a POSIX disk; only on a filesystem that keeps one writer's copy does it tell
+    "checkpoint.export_writers": ProvenBy(
+        "tests/test_export.py::"
+        "test_one_writer_per_file_exports_whole_through_a_filesystem_that_keeps_only_the_last_writers_copy"
+    ),
     "checkpoint.async_save": Acts(
         "true", differs(lambda r: [e.get("async") for e in events(r, "checkpoint")])
     ),
@@ -311,6 +316,9 @@ MOE_TABLE = {
     ),
     "model.freeze_vision_tower": Refused("false"),  # a text model; image-text: test_architectures.py
     "model.freeze_multi_modal_projector": Refused("false"),
+    "checkpoint.export_writers": ProvenBy(  # its experts, split back, written by one rank each
+        "tests/test_moe.py::test_fewer_local_experts_than_ranks_to_shard_them_over_still_split_evenly"
+    ),
     # "arithmetic": its train part, or the held-out tenth under any other split; no configs.
     "data.split": Acts("test", LOSSES),
     "data.eval_split": Acts("train", differs(lambda r: [e["eval_loss"] for e in events(r, "eval")])),
@@ -464,6 +472,7 @@ TRAINING_ONLY = {
     "checkpoint.export": "false",
     "checkpoint.max_shard_size": "1MB",
     "checkpoint.export_dtype": "bfloat16",
+    "checkpoint.export_writers": "one",
     "checkpoint.async_save": "true",
     "checkpoint.load_best_model_at_end": (
         "checkpoint.load_best_model_at_end=true",
@@ -569,6 +578,7 @@ TPU_TABLE = {
     },
     "checkpoint.max_shard_size": ReadBy("export"),
     "checkpoint.export_dtype": ReadBy("export"),
+    "checkpoint.export_writers": Refused("one"),
     "checkpoint.async_save": Refused("true"),
     "checkpoint.load_best_model_at_end": Refused("true"),
     "metrics.log_every": ReadBy("StepLog"),

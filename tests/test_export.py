@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -131,6 +132,50 @@ def test_a_filesystem_that_keeps_only_the_last_writers_copy_stops_the_export_in_
     assert {p.name: p.read_bytes() for p in (tmp_path / "run" / "export").iterdir()} == before
 
 
+def test_one_writer_per_file_exports_whole_through_a_filesystem_that_keeps_only_the_last_writers_copy(
+    tmp_path,
+):
+    """checkpoint.export_writers=one on the same double: each of the 3 files is written by one rank from its
+    gathered tensors (rank 0 two, rank 1 one), so no region is lost. The export is bit for bit the one every
+    rank writes into on a POSIX filesystem, index included."""
+    split = ["train.steps=1", "fsdp.state_dict_type=FULL_STATE_DICT", "checkpoint.max_shard_size=1MB"]
+    pretrain(tmp_path / "all", *split)
+    pretrain(tmp_path / "one", *split, "checkpoint.export_writers=one", wrapper="with_last_writer.py")
+    ours, theirs = tmp_path / "one" / "export", tmp_path / "all" / "export"
+    assert assert_same_weights(ours, theirs) == 3
+    for file in glob.glob("*.safetensors", root_dir=theirs):
+        assert (ours / file).read_bytes() == (theirs / file).read_bytes(), file
+
+
+def test_a_rank_killed_inside_its_writes_is_one_line_and_the_next_run_exports(tmp_path):
+    """Rank 1 dies (SIGKILL) inside the export's writes with one region written (tests/with_faults.py,
+    write@2:1). Rank 0 writes its own, then its next collective fails at once (gloo sees the socket close):
+    one line, exit 1, no traceback, before the process group's timeout. The previous export is untouched;
+    the next run resumes from the last checkpoint and exports, nothing left over."""
+    run_dir, first = tmp_path / "run", "model-00001-of-00003.safetensors"
+    split = ["fsdp.state_dict_type=FULL_STATE_DICT", "checkpoint.max_shard_size=1MB"]
+    pretrain(run_dir, "train.steps=1", *split)
+    before = {p.name: p.read_bytes() for p in (run_dir / "export").iterdir()}
+    args = ["--config", TINY, f"checkpoint.dir={run_dir}", "train.steps=2", "parallelism.timeout_minutes=2"]
+    (survived, stderr), (killed, _) = each_rank(
+        "pretrain_fsdp.py",
+        [*args, *split],
+        timeout=240,
+        extra_env={"FSDP2_RECIPES_FAULT": "write@2:1"},
+        wrapper="with_faults.py",
+    )
+    assert killed == -signal.SIGKILL and survived == 1 and "Traceback" not in stderr, stderr[-3000:]
+    [line] = [line for line in stderr.splitlines() if "another rank died" in line]
+    assert line.startswith("rank 0: another rank died in the middle of a collective") and "untouched" in line
+    assert {p.name: p.read_bytes() for p in (run_dir / "export").iterdir()} == before
+    assert len(glob.glob("*.safetensors", root_dir=run_dir / "export.tmp")) == 3  # under way
+    records = pretrain(run_dir, "train.steps=2", *split)
+    ready = [r for r in records if r.get("event") == "model_ready"][-1]  # metrics.jsonl holds all three runs
+    assert ready["start_step"] == 2 and not (run_dir / "export.tmp").exists()
+    after = {p.name: p.read_bytes() for p in (run_dir / "export").iterdir()}
+    assert after.keys() == before.keys() and after[first] != before[first]
+
+
 def test_an_export_or_conversion_that_does_not_fit_is_one_line_before_any_byte_is_written(small_disk):
     """A 9 MB disk holds the run's checkpoint (7.6 MB) but not its export beside it (2.4 MB): the files would
     be created sparse and fill the disk halfway through the writes, so their size is checked first. Every
@@ -228,24 +273,25 @@ def test_each_rank_reads_and_writes_its_share_of_an_hf_checkpoint(tmp_path, big_
     off; from_pretrained on a rank holds a whole fp32 copy. The weights are from_pretrained's. The FULL export
     in fp32 writes the shards as they are: it raises no rank's by more than the largest tensor plus 16 MiB,
     and its files are byte for byte the ones save_pretrained writes on rank 0 from the gathered model (which
-    holds the whole model: the contrast)."""
+    holds the whole model: the contrast). With checkpoint.export_writers=one, a rank holds one gathered file
+    of 100 MB more, and writes the same bytes."""
     share_mib, largest_mib = 100e6 * 4 / 2 / 2**20, 4096 * 1024 * 4 / 2**20
     losses = set()
     for efficient in ("true", "false"):
         out = tmp_path / f"mem-{efficient}"
-        export = [
-            "checkpoint.export=true",
-            "fsdp.state_dict_type=FULL_STATE_DICT",
-            "checkpoint.max_shard_size=100MB",
-        ]
+        writers = "all" if efficient == "false" else "one"
         loaded = pretrain(
             tmp_path / efficient,
             "train.steps=0",
-            *(export if efficient == "false" else ["checkpoint.export=false"]),
+            "fsdp.state_dict_type=FULL_STATE_DICT",
+            "checkpoint.max_shard_size=100MB",
+            f"checkpoint.export_writers={writers}",
             f"model.name_or_path={big_hf_checkpoint}",
             "model.config={}",
             f"fsdp.cpu_ram_efficient_loading={efficient}",
-            extra_env=host_memory_env(out, rank0_copy=tmp_path / "export-on-rank0"),
+            extra_env=host_memory_env(
+                out, rank0_copy=tmp_path / "export-on-rank0" if writers == "all" else None
+            ),
             wrapper="with_host_memory.py",
         )
         for rise in anonymous_rises(out, "load"):
@@ -257,11 +303,15 @@ def test_each_rank_reads_and_writes_its_share_of_an_hf_checkpoint(tmp_path, big_
     assert fixed_batch_loss_of(hf, {"tokenizer": str(big_hf_checkpoint)}) == pytest.approx(loss, abs=1e-5)
     for rise in anonymous_rises(out, "export"):
         assert rise <= largest_mib + 16, rise  # fp32 as trained, written as it is; the checksums' buffer
+    # one writer a file: the file it writes, and a tensor being gathered (all-gathered, then unpadded)
+    for rise in anonymous_rises(tmp_path / "mem-true", "export"):
+        assert 100e6 / 2**20 < rise <= 100e6 / 2**20 + 2 * largest_mib + 16, rise
     assert anonymous_rise(f"{out}.export_on_rank0.rank0.json") > 2 * share_mib
-    ours, theirs = tmp_path / "false" / "export", tmp_path / "export-on-rank0"
-    assert assert_same_weights(ours, theirs) == 5
-    for file in glob.glob("*.safetensors", root_dir=ours):  # each rank's shards in place: save_file's bytes
-        assert (ours / file).read_bytes() == (theirs / file).read_bytes(), file
+    theirs = tmp_path / "export-on-rank0"
+    for ours in (tmp_path / "false" / "export", tmp_path / "true" / "export"):
+        assert assert_same_weights(ours, theirs) == 5
+        for file in glob.glob("*.safetensors", root_dir=ours):  # each rank's shards in place: save_file's
+            assert (ours / file).read_bytes() == (theirs / file).read_bytes(), file
 
 
 def test_every_rank_writes_its_part_of_the_merged_lora_export(tmp_path, big_hf_checkpoint):
@@ -429,19 +479,40 @@ def test_a_model_loaded_from_name_or_path_keeps_its_own_special_ids(tmp_path):
     assert exported["use_cache"] is True
 
 
-def test_a_full_disk_in_the_middle_of_a_write_is_one_line_from_any_rank():
-    """After the free-space check, another job can still fill the disk: the OSError, or DCP's
-    CheckpointException that carries any rank's to every rank, becomes run_cli's one line; other errors
-    keep their traceback."""
-    import errno
-
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from common.ops.cli import disk_full
-
-    full = OSError(errno.ENOSPC, "No space left on device", "/x/export.tmp/model.safetensors")
-    for error in (full, CheckpointException("save", {1: (full, None)})):
-        line = disk_full(error)
-        assert line.startswith("no space left on the device writing /x/export.tmp/model.safetensors: ")
-        assert "\n" not in line
-    assert disk_full(OSError(errno.EIO, "Input/output error")) is None and disk_full(RuntimeError()) is None
+def test_a_disk_that_fills_in_the_middle_of_the_export_is_one_line_on_every_rank(small_disk):
+    """The free-space check passes, then another writer fills the disk but 64 KiB (tests/with_faults.py,
+    full@2:0): the first rank whose write fails has DCP carry its error to every rank, and each prints one
+    line naming export.tmp, the bytes the export needs and the bytes free, exit 1, no traceback. The
+    previous export is untouched. Converting the step-2 checkpoint onto the disk filled the same way says
+    the same (safetensors' save_file raises its own error, not an OSError)."""
+    subprocess.run(["mount", "-o", "remount,size=40m", str(small_disk)], check=True)
+    run_dir, full = small_disk / "run", "fsdp.state_dict_type=FULL_STATE_DICT"
+    pretrain(run_dir, "train.steps=1", full)
+    before = {p.name: p.read_bytes() for p in (run_dir / "export").iterdir()}
+    results = each_rank(
+        "pretrain_fsdp.py",
+        ["--config", TINY, f"checkpoint.dir={run_dir}", "train.steps=2", full],
+        extra_env={"FSDP2_RECIPES_FAULT": "full@2:0"},
+        wrapper="with_faults.py",
+    )
+    for code, stderr in results:
+        lines = [line for line in stderr.splitlines() if line.startswith("export: ")]
+        assert code == 1 and len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+        assert lines[0].startswith(
+            f"export: the disk filled while {run_dir}/export.tmp was written: it needs "
+        )
+        assert re.search(r"needs [\d,]{9} bytes and [\d,]+ are free now", lines[0]), lines[0]
+    assert {p.name: p.read_bytes() for p in (run_dir / "export").iterdir()} == before
+    (small_disk / "another-job").unlink()
+    (small_disk / "converted").mkdir()
+    converted = run(
+        "convert_to_hf.py",
+        [str(run_dir / "checkpoints" / "step-2"), str(small_disk / "converted" / "export")],
+        nproc=0,
+        check=False,
+        extra_env={"FSDP2_RECIPES_FAULT": "full@0"},
+        wrapper="with_faults.py",
+    )
+    assert converted.returncode == 1 and "Traceback" not in converted.stderr, converted.stderr[-3000:]
+    [line] = [line for line in converted.stderr.splitlines() if line.startswith("export: ")]
+    assert line.startswith(f"export: the disk filled while {small_disk}/converted/export.tmp was written: ")

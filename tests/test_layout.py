@@ -10,7 +10,7 @@ import sys
 from copy_along import ADDED_SINCE, REPO, SCRIPTS, by_part, common_modules, imports, lines, part, tables
 
 # The lesson's lines that copying pretrain_fsdp.py takes, features' own modules aside; the aim is 1,600.
-CORE_LIMIT = 1786
+CORE_LIMIT = 1804
 
 
 def test_docs_layout_holds_the_copy_along_tables_of_this_code():

@@ -294,6 +294,11 @@ def test_fewer_local_experts_than_ranks_to_shard_them_over_still_split_evenly(tm
     # The same share on every rank, up to FSDP's padding of the 2-row routers (512 bytes); dim 0 would
     # have put 49 kB of expert weights on one rank of each pair and none on the other.
     assert max(held) - min(held) <= 512, held
+    # checkpoint.export_writers=one: each expert, written by one rank from its holder's copy, the same bytes
+    finetune(tmp_path / "one_writer", model_dir, "parallelism.ep_size=2", "checkpoint.export_writers=one")
+    assert assert_same_weights(tmp_path / "one_writer" / "export", tmp_path / "ep2" / "export") == 1
+    ours, theirs = (tmp_path / name / "export" / "model.safetensors" for name in ("one_writer", "ep2"))
+    assert ours.read_bytes() == theirs.read_bytes()
 
 
 def test_fsdp_keys_keep_the_math_and_sharded_export_reloads(tmp_path, qwen, reference):

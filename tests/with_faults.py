@@ -4,13 +4,18 @@
 
 FSDP2_RECIPES_FAULT is `<point>@<step>[:<rank>]`: kill (after the step's update), save (inside its checkpoint
 write, before the rename: sync or background), export (inside the final export after that step: its files
-written, not yet indexed or renamed into place), hang, nan (poisons the loss), grad (makes the step's
-gradients NaN while its loss stays finite), read (the resume's DCP read of checkpoint step-N fails with an
-I/O timeout, ETIMEDOUT, as a network filesystem's would), or rename (`rename@K`: inside the K-th filesystem
-operation of moving the export into place, common/weights.py:move_into_place: before a rename, or after the
-first file of a removal). Each fires once per run directory, so a job that restarts gets past it. The
-patches wrap the loop helper's after_step, gradient clipping, DCP's save calls, FileSystemReader.read_data,
-and the export's move_into_place with the os.replace and shutil.rmtree it calls, before the script runs.
+written, not yet indexed or renamed into place), write (inside the export's writes after that step: one
+region written, the next not; common/safetensors_writer.py's write_regions), full (the export's free-space
+check passes, then another writer fills the disk but 64 KiB: common/export_check.py; full@0 for a
+conversion into a directory named export), hang, nan (poisons
+the loss),
+grad (makes the step's gradients NaN while its loss stays finite), read (the resume's DCP read of checkpoint
+step-N fails with an I/O timeout, ETIMEDOUT, as a network filesystem's would), or rename (`rename@K`: inside
+the K-th filesystem operation of moving the export into place, common/weights.py:move_into_place: before a
+rename, or after the first file of a removal). Each fires once per run directory, so a job that restarts
+gets past it. The patches wrap the loop helper's after_step, gradient clipping, DCP's save calls,
+FileSystemReader.read_data, the export's writer, and the export's move_into_place with the os.replace and
+shutil.rmtree it calls, before the script runs.
 Never imported by scripts/ or common/.
 """
 
@@ -30,11 +35,12 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import optim, weights  # noqa: E402
+from common import export_check, optim, weights  # noqa: E402
 from common.ops.stopping import StopRules  # noqa: E402
+from common.safetensors_writer import SafetensorsInPlace  # noqa: E402
 
 SPEC = os.environ.get("FSDP2_RECIPES_FAULT", "")
-FAULT = re.fullmatch(r"(kill|save|export|hang|nan|grad|read|rename)@(\d+)(?::(\d+))?", SPEC)
+FAULT = re.fullmatch(r"(kill|save|export|write|full|hang|nan|grad|read|rename)@(\d+)(?::(\d+))?", SPEC)
 RUN = {"dir": None, "step": None}  # the run directory and the step being trained, from the loop helper
 MOVING = {"dir": None, "operations": 0}  # the export's run directory while move_into_place runs
 IN_WRITE = re.compile(r"step-(\d+)\.tmp$")
@@ -99,6 +105,40 @@ def killed_inside_write(save):
     return wrapper
 
 
+def killed_mid_write(write_regions):
+    """SafetensorsInPlace.write_regions, which for the export in the fault writes one region, then dies."""
+
+    def wrapper(self, items):
+        run_dir = os.path.dirname(str(self.path))
+        if IN_EXPORT.search(str(self.path)) and RUN["step"] and fires("write", RUN["step"] - 1, run_dir):
+            items = first_then_kill(items)
+        return write_regions(self, items)
+
+    return wrapper
+
+
+def first_then_kill(items):
+    for i, item in enumerate(items):
+        if i == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        yield item
+
+
+def filled_after_the_check(check_free_space):
+    """export_check.check_free_space, after which, for the export in the fault, the disk is filled."""
+
+    def wrapper(path: str, needed: int) -> None:
+        check_free_space(path, needed)
+        run_dir = os.path.dirname(path)
+        step = RUN["step"] - 1 if RUN["step"] else 0  # 0: scripts/convert_to_hf.py, which trains no step
+        if IN_EXPORT.search(path) and fires("full", step, run_dir):
+            free = shutil.disk_usage(run_dir).free
+            with open(os.path.join(os.path.dirname(run_dir), "another-job"), "wb") as f:
+                f.write(bytes(free - 65536))  # room for the files' headers, not their tensors
+
+    return wrapper
+
+
 def timed_out_read(read_data):
     """FileSystemReader.read_data, which for the checkpoint in the fault raises a transient error first."""
 
@@ -146,6 +186,8 @@ if __name__ == "__main__":
     optim.clip_grad_norm_ = clip_grad_norm_  # before the script imports it
     dcp.save, dcp.async_save = killed_inside_write(dcp.save), killed_inside_write(dcp.async_save)
     dcp.FileSystemReader.read_data = timed_out_read(dcp.FileSystemReader.read_data)
+    SafetensorsInPlace.write_regions = killed_mid_write(SafetensorsInPlace.write_regions)
+    export_check.check_free_space = filled_after_the_check(export_check.check_free_space)
     weights.move_into_place = export_moved_into_place(
         weights.move_into_place
     )  # the export's, not a checkpoint's

@@ -125,9 +125,9 @@ class TrainingWindow:
 TRAINING = TrainingWindow()
 
 
-def writing(self, *args, _original=safetensors_writer.SafetensorsInPlace.write_data, **kwargs):
-    """The export's writer: one sample more as it starts, with the rank's shards cast (or merged) for it, the
-    export's peak, which a poll could miss."""
+def writing(self, *args, _original=safetensors_writer.SafetensorsInPlace.write_regions, **kwargs):
+    """The export's writer: one sample more as it starts, with the rank's shards cast (or merged) for it, or
+    (checkpoint.export_writers=one) its file gathered: the export's peak, which a poll could miss."""
     for sample in SAMPLERS:
         sample()
     return _original(self, *args, **kwargs)
@@ -170,7 +170,7 @@ def export(model, out_dir, *args, _original=export_on_rank0 if BEFORE else weigh
 
 weights.load_or_init_weights, weights.export_full = load, export
 checkpoint.load_checkpoint = resume  # the scripts import it from common.checkpoint as they start
-safetensors_writer.SafetensorsInPlace.write_data = writing
+safetensors_writer.SafetensorsInPlace.write_regions = writing
 if BEFORE:
     weights.checkpoint_layout = lambda model, path, ours: Layout([], {}, {}, {}, "WEIGHTS_IO=rank0")
 script, sys.argv = sys.argv[1], sys.argv[1:]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import os
 import sys
 
@@ -94,8 +93,8 @@ def run_cli(main, argv: list[str] | None = None) -> None:
         if isinstance(exit_code, str):
             print_line(exit_code)
             exit_code = 1
-    except (OSError, CheckpointException) as error:  # DCP gives every rank each rank's failure
-        if (line := disk_full(error)) is None:
+    except (OSError, CheckpointException, RuntimeError) as error:  # DCP gives every rank each one's failure
+        if (line := disk_full(error) or peer_gone(error)) is None:
             raise
         print_line(line)
         exit_code = 1
@@ -107,14 +106,28 @@ def run_cli(main, argv: list[str] | None = None) -> None:
 def disk_full(error: BaseException) -> str | None:
     """The one line for a full disk in the middle of a write (an OSError, or DCP's CheckpointException
     carrying one from any rank), or None for any other error."""
-    causes = [error, *(e for e, _ in getattr(error, "failures", {}).values())]
-    full = next((e for e in causes if isinstance(e, OSError) and e.errno == errno.ENOSPC), None)
-    if full is None:
+    from common.export_check import no_space_error  # here, as torch above: not before main() runs
+
+    if (full := no_space_error(error)) is None:
         return None
-    where = full.filename or "the output directory"
+    where = getattr(full, "filename", None) or "the output directory"
     return (
         f"no space left on the device writing {where}: free space or write elsewhere (checkpoint.dir); what "
         f"was being written stays under its .tmp name, and the previous export and checkpoints are untouched"
+    )
+
+
+def peer_gone(error: BaseException) -> str | None:
+    """The one line for a collective that failed because another rank died (killed, or its node lost), as
+    gloo sees it at once: its socket closed. None for any other error (NCCL waits out the process group's
+    timeout, parallelism.timeout_minutes, and its watchdog ends the process)."""
+    gone = ("Connection reset by peer", "Connection closed by peer")
+    if not any(text in str(error) for text in gone):
+        return None
+    return (
+        f"rank {os.environ.get('RANK', 0)}: another rank died in the middle of a collective, so this one "
+        f"stops too; the launcher's log names the rank that failed first. What was being written stays under "
+        f"its .tmp name, and the previous export and checkpoints are untouched"
     )
 
 

@@ -78,7 +78,8 @@ def validate(cfg: Config) -> None:
 
 
 def _check_export(cfg: Config) -> None:
-    """checkpoint.max_shard_size and export_dtype shape a FULL export (or a merged LoRA one), nothing else."""
+    """checkpoint.max_shard_size, export_dtype and export_writers shape a FULL export (or a merged LoRA
+    one), nothing else."""
     c, adapters = cfg.checkpoint, bool(cfg.lora.r)
     if not is_shard_size(c.max_shard_size):
         raise ConfigError(
@@ -87,6 +88,7 @@ def _check_export(cfg: Config) -> None:
         )
     full = cfg.lora.merge_on_export if adapters else cfg.fsdp.state_dict_type == "FULL_STATE_DICT"
     changed = c.max_shard_size != "5GB" and "max_shard_size" or c.export_dtype and "export_dtype"
+    changed = changed or c.export_writers != "all" and "export_writers"
     if changed and not full:
         export = "PEFT's adapters" if adapters else "SHARDED (DCP files)"
         raise ConfigError(

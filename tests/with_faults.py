@@ -7,16 +7,14 @@ write, before the rename: sync or background), export (inside the final export a
 written, not yet indexed or renamed into place), write (inside the export's writes after that step: one
 region written, the next not; common/safetensors_writer.py's write_regions), full (the export's free-space
 check passes, then another writer fills the disk but 64 KiB: common/export_check.py; full@0 for a
-conversion into a directory named export), hang, nan (poisons
-the loss),
-grad (makes the step's gradients NaN while its loss stays finite), read (the resume's DCP read of checkpoint
-step-N fails with an I/O timeout, ETIMEDOUT, as a network filesystem's would), or rename (`rename@K`: inside
-the K-th filesystem operation of moving the export into place, common/weights.py:move_into_place: before a
-rename, or after the first file of a removal). Each fires once per run directory, so a job that restarts
-gets past it. The patches wrap the loop helper's after_step, gradient clipping, DCP's save calls,
-FileSystemReader.read_data, the export's writer, and the export's move_into_place with the os.replace and
-shutil.rmtree it calls, before the script runs.
-Never imported by scripts/ or common/.
+conversion into a directory named export), hang, nan (poisons the loss), grad (makes the step's gradients
+NaN while its loss stays finite), read (the resume's DCP read of checkpoint step-N fails with an I/O
+timeout, ETIMEDOUT, as a network filesystem's would), or rename (`rename@K`: inside the K-th filesystem
+operation of moving the export into place, common/weights.py:move_into_place: before a rename, or after the
+first file of a removal). Each fires once per run directory, so a job that restarts gets past it. The
+patches wrap the loop helper's after_step, gradient clipping, DCP's save calls, FileSystemReader.read_data,
+the export's writer and free-space check, and the export's move_into_place with the os.replace and
+shutil.rmtree it calls, before the script runs. Never imported by scripts/ or common/.
 """
 
 from __future__ import annotations

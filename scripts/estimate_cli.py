@@ -7,7 +7,9 @@ import argparse
 import json
 import os
 
+from common.architectures import is_image_text
 from common.config import Config, ConfigError
+from common.data.image_records import SHAPES, has_images
 from common.ops.config_sources import load_config
 
 # Architecture-only copies of the hub configs the shipped configs name, so planning needs no network.
@@ -57,6 +59,11 @@ def parse(argv: list[str] | None, description: str) -> tuple[argparse.Namespace,
     parser.add_argument(
         "--host-reserve-gib", type=float, default=HOST_RESERVE_GIB, help="a rank's process before it loads"
     )
+    parser.add_argument(
+        "--images-per-row",
+        type=int,
+        help="an image-text release's images per row; 0: text rows (images_per_row)",
+    )
     parser.add_argument("--json", action="store_true", help="also print one JSON object on stdout")
     parser.add_argument(
         "--quick", action="store_true", help="one measurement: no largest micro-batch, no alternatives"
@@ -69,4 +76,25 @@ def parse(argv: list[str] | None, description: str) -> tuple[argparse.Namespace,
         raise ConfigError(
             f"--procs-per-node is {args.procs_per_node}; give the ranks a node runs, at least 1"
         )
+    if args.images_per_row is not None and args.images_per_row < 0:
+        raise ConfigError(f"--images-per-row is {args.images_per_row}; give 0 (text rows) or more")
     return args, load_config(args.config, args.overrides)
+
+
+def images_per_row(requested: int | None, cfg: Config, hf_config) -> int:
+    """--images-per-row, else: 1 for an image-text release, unless its data.dataset is text where that can be
+    read here (a local file or a built-in task; a hub dataset is taken to hold images), else 0."""
+    if not is_image_text(hf_config):
+        if requested:
+            raise ConfigError(
+                f"--images-per-row is {requested} but model_type {hf_config.model_type!r} is a text model; "
+                f"give 0 or leave it out"
+            )
+        return 0
+    if requested is not None:
+        return requested
+    source = cfg.data.dataset
+    readable = (
+        source in (SHAPES, "embedded", "arithmetic") or not isinstance(source, str) or os.path.exists(source)
+    )
+    return int(has_images(source, cfg.data.split)) if readable else 1

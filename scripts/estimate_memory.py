@@ -27,6 +27,8 @@ Planning for a GPU on a CPU (--device cuda, the default):
 - Host RAM per rank and per node (--procs-per-node): at load, at a resume, in training, at a checkpoint and
   at export, from each rank's shards and the paths common/weights.py and DCP take (host_plan), plus
   --host-reserve-gib a process (docs/memory.md#host-memory).
+- Image-text releases: --images-per-row images a row (default 1 for an image-text release on image data)
+  at the vision tower's resolution; images only where each has a fixed token count (Gemma 3).
 - MoE: tokens are routed evenly (fake tensors have no values to route by); a skewed router sends some ranks
   more. The held-out evaluation before training is not planned.
 """
@@ -51,7 +53,7 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as ac_wr
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from common import cp, lora, loss
-from common.architectures import init_buffers, is_image_text
+from common.architectures import init_buffers
 from common.config import Config, ConfigError, TrainConfig
 from common.data.batches import Batch
 from common.evaluate import score_shard
@@ -65,11 +67,13 @@ from common.ops.metrics import GIB, CommCounter, sharded_state_bytes
 from common.optim import build_optimizer
 from common.tp import apply_tp
 from common.wrap import apply_fsdp
-from estimate_cli import offline_model, parse, pick_recipe  # beside this script
+from estimate_cli import images_per_row, offline_model, parse, pick_recipe  # beside this script
 from fake_run_patches import (  # beside this script
+    forget_module_stats_before,
     grouped_mm_in_float32,
     isolate_sharding_propagation,
     label_accumulated_gradients,
+    pass_over_units_no_forward_ran,
     route_tokens_evenly,
     track_the_global_peak_only,
     unpinned_offload,
@@ -117,14 +121,42 @@ def load_script(name: str):
     return module
 
 
-def fake_batch(micro_batch: int, seq_len: int, vocab: int, documents: bool) -> Batch:
-    """`documents`: position ids per packed document or SFT example, which CP attention masks by."""
-    input_ids = torch.randint(0, vocab, (micro_batch, seq_len))
+def fake_batch(micro_batch: int, seq_len: int, hf_config, documents: bool, images: int) -> Batch:
+    """`documents`: position ids per packed document or SFT example, which CP attention masks by.
+    `images`: each row's images, as an image-text release's processor gives them (image_inputs)."""
+    input_ids = torch.randint(0, hf_config.get_text_config().vocab_size, (micro_batch, seq_len))
     batch = Batch(input_ids=input_ids, labels=input_ids.clone())
     if documents:  # a packed row of real tokens
         batch.position_ids = torch.arange(seq_len).expand(micro_batch, -1)
         batch.token_mask = torch.ones_like(input_ids, dtype=torch.bool)
+    if images:
+        batch.images = image_inputs(hf_config, micro_batch, seq_len, images)
     return batch
+
+
+def image_inputs(hf_config, micro_batch: int, seq_len: int, images: int) -> dict:
+    """What the processor of a release with fixed-size images (Gemma 3) returns for `images` per row:
+    pixel values at the vision tower's resolution, and token types. Fake tensors hold no values, so which
+    tokens are image tokens is not known: the features' size is what counts. Releases whose image token
+    count follows each image's size (Qwen-VL's image_grid_thw, Mistral 3's image_sizes) read those sizes
+    on the host, which fake tensors cannot give."""
+    per_image = getattr(hf_config, "mm_tokens_per_image", None)
+    if per_image is None:
+        raise ConfigError(
+            f"--images-per-row is {images} but model_type {hf_config.model_type!r} sizes each image's tokens "
+            f"by the image, which the planner cannot run on fake tensors; plan its text rows with "
+            f"--images-per-row 0 (fixed-size image releases, such as gemma3, are planned with images)"
+        )
+    if images * per_image > seq_len:
+        raise ConfigError(
+            f"--images-per-row is {images} but {images} x {per_image} image tokens exceed data.seq_len "
+            f"{seq_len}; give fewer images or a longer data.seq_len"
+        )
+    size = hf_config.vision_config.image_size
+    return {
+        "pixel_values": torch.randn(micro_batch * images, 3, size, size),
+        "token_type_ids": torch.zeros(micro_batch, seq_len, dtype=torch.long),
+    }
 
 
 def peak_breakdown(tracker: FSDPMemTracker) -> dict:
@@ -145,11 +177,6 @@ def shard_on_meta(cfg: Config, recipe: str, world_size: int, device_type: str) -
     if cp_size > 1:  # as the scripts' main() do; the planner runs the all-gather one
         cfg.model.attn_implementation = cp.use_cp_attention()
     hf_config = load_model_config(cfg.model, cfg.data.seq_len)
-    if is_image_text(hf_config):  # torch's FSDPMemTracker fails on units no forward ran: the vision blocks
-        raise ConfigError(
-            f"model_type {hf_config.model_type!r} is an image-text release, which the planner does not plan "
-            f"yet; plan its language model with model.config set to its text_config"
-        )
     model = build_meta_model(hf_config, cfg.model, t.gradient_checkpointing)
     if recipe == "pretrain" and cfg.lora.r:  # as pretrain_fsdp.py's main() does
         lora.add_adapters(model, cfg.lora, device_type)
@@ -188,8 +215,9 @@ def shard_on_meta(cfg: Config, recipe: str, world_size: int, device_type: str) -
     )
 
 
-def measure(cfg: Config, recipe: str, world_size: int, device_type: str) -> dict:
-    """One fake run of `recipe` on rank 0 of `world_size`: peak bytes by category, state bytes, comm."""
+def measure(cfg: Config, recipe: str, world_size: int, device_type: str, images: int = 0) -> dict:
+    """One fake run of `recipe` on rank 0 of `world_size`: peak bytes by category, state bytes, comm.
+    `images`: each row's images (an image-text release); 0 plans text rows."""
     cfg = copy.deepcopy(cfg)  # the check below may set model.attn_implementation
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     device, offloaded = torch.device("cpu"), {"now": 0, "peak": 0}
@@ -207,17 +235,18 @@ def measure(cfg: Config, recipe: str, world_size: int, device_type: str) -> dict
             model.to_empty(device=device)
             init_buffers(model, device)
             documents = recipe == "moe" or cfg.data.document_mask
-            batch = fake_batch(
-                micro_batch, seq_len, built["hf_config"].get_text_config().vocab_size, documents
-            )
+            batch = fake_batch(micro_batch, seq_len, built["hf_config"], documents, images)
             optimizer = None if recipe == "eval" else build_optimizer(model, cfg, torch.device(device_type))
             tracker = FSDPMemTracker(model, optimizer)
             track_the_global_peak_only(tracker)
+            pass_over_units_no_forward_ran(tracker)
             if recipe == "pretrain":
                 chunk = cfg.train.loss_chunk_tokens
                 loss_of = lambda: script.token_loss_sum(model, batch, device, cp_state, chunk)  # noqa: E731
             elif recipe == "moe":
                 loss_of = moe_loss(script, model, batch, built["moe"], cfg.train)
+            if recipe != "eval":
+                loss_of = forget_module_stats_before(tracker, loss_of)
 
             def step():
                 if recipe == "eval":
@@ -231,6 +260,12 @@ def measure(cfg: Config, recipe: str, world_size: int, device_type: str) -> dict
                 comm.reset()
                 step()
             state = sharded_state_bytes(model, optimizer) if optimizer else {}
+            # Parameters with AdamW state: those with a gradient in the steps (an unused module has none)
+            stepped = (
+                {name for name, p in model.named_parameters() if optimizer.state.get(p)}
+                if optimizer
+                else None
+            )
             result = {
                 **peak_breakdown(tracker),
                 **built["sharding"],
@@ -240,6 +275,7 @@ def measure(cfg: Config, recipe: str, world_size: int, device_type: str) -> dict
                 "state": state,
                 "comm_bytes_per_step": comm_per_step(comm.counts, accumulation, cfg.train.sync_each_batch),
                 "host_copies_bytes": offloaded["peak"],
+                "stepped": stepped,
             }
     finally:
         dist.destroy_process_group()
@@ -291,18 +327,25 @@ def eval_step(model, batch, cp_state, cfg: Config) -> None:
     score_shard(model, batch, torch.device("cpu"), cp_state, "allgather", cfg.eval.loss_chunk_tokens)
 
 
-def per_rank_shards(cfg: Config, recipe: str, world_size: int, device_type: str) -> list[dict]:
+def per_rank_shards(
+    cfg: Config, recipe: str, world_size: int, device_type: str, stepped: set | None
+) -> list[dict]:
     """Every rank's parameter, trained-parameter (= gradient) and optimizer bytes, and its parameters'
     elements: the model sharded on `meta` as each rank would hold it. AdamW keeps two states the shape of
-    each trained parameter (checked on rank 0 against the real state); a frozen LoRA base has none. What
-    cpu_offload pins on a GPU: each parameter's padded chunk and each gradient, a power of two apiece. Rank
-    0's also has the whole model's bytes, and whether Transformers converts its weights as it saves them."""
+    each parameter the fake steps gave a gradient, `stepped` (None: evaluation), checked on rank 0 against
+    the real state: a frozen LoRA base has none, nor a vision tower that text rows never run, nor a module
+    never called. What cpu_offload pins on a GPU: each parameter's padded chunk and each gradient, a power
+    of two apiece. Rank 0's also has the whole model's bytes, and whether Transformers converts its weights
+    as it saves them."""
     out, chunks = [], []
     for rank in range(world_size):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
         try:
             model = shard_on_meta(copy.deepcopy(cfg), recipe, world_size, device_type)["model"]
-            local = [(p.to_local(), p.requires_grad) for p in model.parameters()]
+            local = [
+                (p.to_local(), n in stepped if stepped else p.requires_grad)
+                for n, p in model.named_parameters()
+            ]
             grads = [t.numel() * t.element_size() for t, trains in local if trains]
             trained = sum(grads)
             if rank == 0:  # FSDP pads every rank's chunk to rank 0's, the largest (torch.chunk)
@@ -331,10 +374,18 @@ def per_rank_shards(cfg: Config, recipe: str, world_size: int, device_type: str)
     return out
 
 
-def estimate(cfg: Config, recipe: str, world_size: int, device_type: str, budget_gib: float, quick: bool):
+def estimate(
+    cfg: Config,
+    recipe: str,
+    world_size: int,
+    device_type: str,
+    budget_gib: float,
+    quick: bool,
+    images: int = 0,
+):
     """One config's measurement, and the largest micro-batch that fits: the peak is measured again at twice
     the micro-batch (same accumulation), and grows linearly in between (activations are per sequence)."""
-    base = measure(cfg, recipe, world_size, device_type)
+    base = measure(cfg, recipe, world_size, device_type, images)
     if quick:
         return {**base, "max_micro_batch_size": None}
     if base["peak"] > budget_gib * GIB and base["micro_batch_size"] == 1:
@@ -346,13 +397,23 @@ def estimate(cfg: Config, recipe: str, world_size: int, device_type: str, budget
     else:
         doubled.eval.batch_size *= 2
     micro_batch = base["micro_batch_size"]
-    per_sequence = (measure(doubled, recipe, world_size, device_type)["peak"] - base["peak"]) / micro_batch
+    per_sequence = (
+        measure(doubled, recipe, world_size, device_type, images)["peak"] - base["peak"]
+    ) / micro_batch
     fixed = base["peak"] - per_sequence * micro_batch
     largest = math.floor((budget_gib * GIB - fixed) / per_sequence)
     return {**base, "per_sequence_bytes": per_sequence, "max_micro_batch_size": max(largest, 0)}
 
 
-def advice(cfg: Config, recipe: str, world_size: int, device_type: str, budget_gib: float, base: dict):
+def advice(
+    cfg: Config,
+    recipe: str,
+    world_size: int,
+    device_type: str,
+    budget_gib: float,
+    base: dict,
+    images: int = 0,
+):
     """For a config that does not fit: the peak with each single change that lowers memory."""
     t, fsdp, trains = cfg.train, cfg.fsdp, recipe != "eval"
     changes = [
@@ -371,7 +432,7 @@ def advice(cfg: Config, recipe: str, world_size: int, device_type: str, budget_g
             apply_override(changed, override)
         name = overrides[0] if overrides else f"--world-size {world}"
         try:
-            peak = measure(changed, recipe, world, device_type)["peak"] / GIB
+            peak = measure(changed, recipe, world, device_type, images)["peak"] / GIB
         except ConfigError as error:  # e.g. a global batch that twice the ranks cannot split
             out.append({"change": name, "error": str(error)})
             continue
@@ -381,6 +442,9 @@ def advice(cfg: Config, recipe: str, world_size: int, device_type: str, budget_g
 
 def main(argv: list[str] | None = None) -> None:
     args, cfg = parse(argv, __doc__)
+    # Transformers checks an image's placeholder tokens against its features by value; fake tensors have
+    # none. Its own switch for production runs turns these checks off.
+    os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] = "1"
     offline_model(cfg)
     recipe = pick_recipe(args.recipe, args.config, load_model_config(cfg.model))
     cfg.train.compile = False
@@ -389,8 +453,9 @@ def main(argv: list[str] | None = None) -> None:
     grouped_mm_in_float32()
     unpinned_offload()
     budget = args.gpu_memory_gib - args.reserve_gib
-    result = estimate(cfg, recipe, args.world_size, args.device, budget, args.quick)
-    shards = per_rank_shards(cfg, recipe, args.world_size, args.device)
+    images = images_per_row(args.images_per_row, cfg, load_model_config(cfg.model))
+    result = estimate(cfg, recipe, args.world_size, args.device, budget, args.quick, images)
+    shards = per_rank_shards(cfg, recipe, args.world_size, args.device, result["stepped"])
     states = [{"param_bytes": s["param_bytes"], "optimizer_bytes": s["optimizer_bytes"]} for s in shards]
     if result["state"] and result["state"] != states[0]:
         raise SystemExit(f"estimate_memory: rank 0's state {result['state']} != {states[0]} (a bug here)")
@@ -398,6 +463,7 @@ def main(argv: list[str] | None = None) -> None:
     report = {
         "recipe": recipe,
         "world_size": args.world_size,
+        "images_per_row": images,
         "device": args.device,
         "gpu_memory_gib": args.gpu_memory_gib,
         "reserve_gib": args.reserve_gib,
@@ -414,7 +480,7 @@ def main(argv: list[str] | None = None) -> None:
         "host": host_report(host_plan(cfg, recipe, args.device, shards, result), args),
     }
     if not report["fits"] and not args.quick:
-        report["alternatives"] = advice(cfg, recipe, args.world_size, args.device, budget, result)
+        report["alternatives"] = advice(cfg, recipe, args.world_size, args.device, budget, result, images)
     print(table(report))
     if args.json:
         print(json.dumps(report))

@@ -1,10 +1,11 @@
-"""What makes torch's FSDPMemTracker and fake tensors run these models, for scripts/estimate_memory.py: five
-patches of private torch and Transformers code (pinned versions), each saying why no public way exists, and
-one of the recipes' own."""
+"""What makes torch's FSDPMemTracker and fake tensors run these models, for scripts/estimate_memory.py:
+patches of private torch and Transformers code (pinned versions), each saying why no public way exists, one
+of the recipes' own, and a public call in the tracker's way."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from unittest import mock
 
 import torch
@@ -106,3 +107,36 @@ def track_the_global_peak_only(tracker: FSDPMemTracker) -> None:
             tracker.memory_tracking = modules
 
     tracker._update_peak_stats = global_only
+
+
+def pass_over_units_no_forward_ran(tracker: FSDPMemTracker) -> None:
+    """An image-text release trained on text never runs its vision blocks' forward, so FSDP never gathers
+    their parameters, and the tracker's post-backward wrapper then fails reading the unsharded parameter
+    that was never made (AttributeError '_unsharded_param'). Such a unit holds no gradient: run FSDP's own
+    post-backward for it untracked. (Private tracker and FSDP state, pinned torch: there is no switch.)"""
+    wrap_post_backward = tracker._fsdp_param_group_post_backward
+
+    def unless_never_gathered(fsdp_mod, post_backward):
+        tracked = wrap_post_backward(fsdp_mod, post_backward)
+
+        def post_backward_of(*args, **kwargs):
+            group = fsdp_mod._get_fsdp_state()._fsdp_param_group
+            gathered = group is None or all(hasattr(p, "_unsharded_param") for p in group.fsdp_params)
+            return (tracked if gathered else post_backward)(*args, **kwargs)
+
+        return post_backward_of
+
+    tracker._fsdp_param_group_post_backward = unless_never_gathered
+
+
+def forget_module_stats_before(tracker: FSDPMemTracker, loss: Callable) -> Callable:
+    """FSDPMemTracker refuses a root module's second forward before its backward has ended (it takes it for
+    a second step), which accumulation runs when the backward leaves its module hooks unfinished, as
+    Qwen3-VL's does. Clearing its per-module statistics before each micro-batch lets it run; the planner
+    reads only the global peak, which this keeps."""
+
+    def cleared_first() -> torch.Tensor:
+        tracker.reset_mod_stats()
+        return loss()
+
+    return cleared_first

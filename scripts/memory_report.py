@@ -17,6 +17,7 @@ def table(report: dict) -> str:
         ("recipe", report["recipe"]),
         ("world size / FSDP units", f"{report['world_size']} / {report['fsdp_units']}"),
         ("parameters (model)", f"{report['params']:,}"),
+        *([("images per row", report["images_per_row"])] if report["images_per_row"] else []),
         ("peak per rank, GiB", f"{report['peak_gib_per_rank']:.2f} + {report['reserve_gib']} reserve"),
         *((f"  {name}, GiB", gib(report["breakdown_bytes"][name])) for name in report["breakdown_bytes"]),
         ("GPU memory, GiB", f"{report['gpu_memory_gib']}"),

@@ -394,14 +394,22 @@ def test_an_image_text_release_trains_under_cp_hsdp_and_tp_or_says_why_not(matri
         assert "cannot apply the TP plan of model_type 'mistral3'" in lines[0]
 
 
-def test_the_planner_says_in_one_line_that_it_does_not_plan_an_image_text_release_yet(matrix):
-    """torch's FSDPMemTracker fails on FSDP units that no forward ran (the vision blocks, on text)."""
+def test_the_planner_plans_an_image_text_releases_text_rows_and_refuses_images_it_cannot_size(matrix):
+    """Text rows never run the vision blocks' forward (the planner's patch of torch's tracker for such
+    units); rank 0's state is checked against its count. Qwen-VL sizes each image's tokens by its grid,
+    which fake tensors cannot hold: one line. Gemma 3's image rows: test_estimate_memory.py."""
     tiny = os.path.join(launch.REPO, "configs", "debug_tiny.json")
     source = matrix["checkpoints"] / "qwen3_vl"
     args = ["--config", tiny, "--world-size", "2", f"model.name_or_path={source}", "model.config={}"]
-    proc = launch.run("estimate_memory.py", args, nproc=0, check=False)
+    report = launch.estimate(tiny, 2, *args[4:], quick=True)
+    assert report["images_per_row"] == 0 and report["peak_gib_per_rank"] > 0
+    assert report["state_bytes_per_rank"][0]["optimizer_bytes"] > 0
+    proc = launch.run("estimate_memory.py", [*args, "--images-per-row", "1"], nproc=0, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert "'qwen3_vl' is an image-text release, which the planner does not plan yet" in proc.stderr
+    assert (
+        "--images-per-row is 1 but model_type 'qwen3_vl' sizes each image's tokens by the image"
+        in proc.stderr
+    )
 
 
 LANGUAGE = ("model.language_model.", "lm_head.")

@@ -13,10 +13,11 @@ import sys
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import Gemma3ImageProcessorPil, Gemma3Processor, LlamaConfig, LlamaForCausalLM
 
 from common.config import DataConfig
 from common.data.embedded import embedded_tokenizer_dir, ensure_embedded_tokenizer
+from common.data.image_records import embedded_processor
 from launch import (
     REPO,
     estimate,
@@ -32,6 +33,7 @@ from launch import (
 
 DEBUG = os.path.join(REPO, "configs", "debug_llama.json")
 DEBUG_MOE = os.path.join(REPO, "configs", "debug_moe.json")
+DEBUG_VLM = os.path.join(REPO, "configs", "debug_vlm.json")
 # Wider layers than debug_llama's, so what a change moves (whole layers' parameters, activations) stands far
 # above what gloo's timing moves in a real run (when a prefetched all-gather's buffer is freed).
 WIDE = {
@@ -107,6 +109,37 @@ def test_moe_estimate_matches_a_real_run(tmp_path, world, ep):
     ratio = planned["peak_gib_per_rank"] * 2**30 / real_peak
     print(f"moe world {world} ep {ep}: estimate / real peak = {ratio:.3f}")
     assert 0.85 <= ratio <= 1.15, f"estimate / real peak = {ratio:.3f}"
+
+
+def test_image_text_estimate_matches_a_real_run(tmp_path, world=2):
+    """debug_vlm's Gemma 3 on the shapes task, its images at 128x128 (256 patches each, a processor saved
+    here at that size), so that the vision tower's activations are about a third of the peak. Rows are
+    padded to the longest of a micro-batch: data.seq_len 32 is the longest shapes row, which the planner
+    plans. The vision tower and projector train; a text plan (--images-per-row 0) misses the images."""
+    cfg = DataConfig(cache_dir=str(tmp_path / "cache"))
+    ensure_embedded_tokenizer(cfg, True)
+    embedded = embedded_processor(cfg)
+    images = Gemma3ImageProcessorPil(size={"height": 128, "width": 128})
+    processor = Gemma3Processor(
+        images, embedded.tokenizer, chat_template=embedded.chat_template, image_seq_length=4
+    )
+    processor.save_pretrained(tmp_path / "processor")
+    overrides = ["data.eval_dataset=null", "eval.interval=0", "data.seq_len=32"]
+    overrides += [f"data.tokenizer={tmp_path / 'processor'}", "model.config.vision_config.image_size=128"]
+    real_peak, real_states = real_run(tmp_path, "vlm", world, *overrides, config=DEBUG_VLM)
+    planned = estimate(DEBUG_VLM, world, *overrides, quick=True)
+    assert planned["images_per_row"] == 1  # the shapes task's, read from the config
+    assert planned["state_bytes_per_rank"] == real_states  # exactly: the vision side's AdamW state too
+    ratio = planned["peak_gib_per_rank"] * 2**30 / real_peak
+    text = estimate(DEBUG_VLM, world, "--images-per-row", "0", *overrides, quick=True)
+    text_ratio = text["peak_gib_per_rank"] * 2**30 / real_peak
+    print(
+        f"image-text world {world}: estimate / real peak = {ratio:.3f}; text rows' estimate {text_ratio:.3f}"
+    )
+    assert 0.85 <= ratio <= 1.15, f"estimate / real peak = {ratio:.3f}"
+    assert text_ratio < 0.75, (
+        f"a text plan is {text_ratio:.3f} of an image run's peak: the images are not seen"
+    )
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ does, it writes under `OUT/<arch>/<run>/`:
   every parameter that got one (LoRA: the adapters');
 - `eval-rank<r>.pt`: this rank's held-out batches of the first evaluation and its result.
 A release with a processor also trains on the image-text records in `CHECKPOINTS/../shapes/` (runs `images`,
-`images_vision` with its vision side trained, `images_lora`).
+`images_vision` with its vision side trained, `images_lora`, `images_stream` streamed).
 Never imported by scripts/ or common/.
 """
 
@@ -181,6 +181,7 @@ def run_architecture(out: str, checkpoints: str, arch: str) -> None:
         vision = ["model.freeze_vision_tower=false", "model.freeze_multi_modal_projector=false"]
         runs += [("images", "pretrain_fsdp", images), ("images_vision", "pretrain_fsdp", images + vision)]
         runs += [("images_lora", "pretrain_fsdp", [*images, "lora.r=4", "lora.alpha=8", vision[0]])]
+        runs += [("images_stream", "pretrain_fsdp", [*images, "data.streaming=true"])]
     os.makedirs(os.path.join(out, arch), exist_ok=True)
     for run, name, extra in runs:
         run_dir = os.path.join(out, arch, run)

@@ -315,6 +315,23 @@ def test_an_image_text_release_fine_tunes_on_image_records_exactly(matrix, arch)
 
 
 @pytest.mark.parametrize("arch", WITH_PROCESSOR)
+def test_streamed_image_records_train_exactly_on_each_ranks_part_of_the_stream(matrix, arch):
+    """data.streaming=true on image-text records: the step-1 loss is Transformers' own on the batches the
+    ranks streamed; on 2 ranks, rank r's images are records r, r + 2, ... of the 1-rank run's, in order."""
+    model = reference(matrix, arch)
+    pad_id = transformers.AutoTokenizer.from_pretrained(matrix["checkpoints"] / arch).pad_token_id
+    images = {}
+    for nproc in (1, 2):
+        step1 = records(matrix, nproc, arch, "images_stream", "step1-rank*.pt")
+        batches = [b for r in step1 for b in r["batches"]]
+        assert step1[0]["result"]["loss"] == pytest.approx(hf_loss(model, batches, pad_id), abs=ATOL), nproc
+        images[nproc] = [torch.cat([b["images"]["pixel_values"] for b in r["batches"]]) for r in step1]
+    [alone] = images[1]
+    assert len(alone) == 8 and len({image.sum().item() for image in alone}) == 8  # 8 different images
+    assert all(torch.equal(mine, alone[rank::2]) for rank, mine in enumerate(images[2]))
+
+
+@pytest.mark.parametrize("arch", WITH_PROCESSOR)
 def test_an_image_text_export_reloads_with_its_processor_and_answers_an_image(matrix, arch):
     """Trained on images: the FULL export loads in AutoModelForImageTextToText and AutoProcessor and
     generates from an image and a prompt; what stayed frozen comes out bit for bit and what trained

@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 import transformers
 from image_releases import add_processor, write_shape_records
 from test_architectures import tiny_image_text_config
@@ -114,3 +115,60 @@ def test_the_real_image_text_config_passes_the_recipes_checks_on_8_ranks():
 
     cfg = load_config(os.path.join(REPO, "configs", "gemma3_vl_sft.json"))
     assert load_script("pretrain_fsdp").check_config(cfg, 8) == (1, 8, 8)
+
+
+def test_streamed_records_are_each_ranks_part_in_order_and_resume_at_the_next_record(
+    release, tmp_path, capsys
+):
+    """data.streaming=true: a data-parallel rank's micro-batch is the processor's output for its part of the
+    stream (every second record of one file on 2 ranks), in order; a record longer than a row, or with no
+    answer, is passed over and said once; the saved position resumes at the next record, and only on as
+    many ranks."""
+    from PIL import Image
+
+    from common.data.batches import build_batches
+
+    write_shape_records(tmp_path, 12)
+    lines = [json.loads(line) for line in open(tmp_path / "train.jsonl")]
+    lines[4]["messages"][0]["content"][1]["text"] += " Look closely." * 20  # rank 0's third: too long
+    lines[6]["messages"] = lines[6]["messages"][:1]  # and its fourth: no answer
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    cfg = data(release, tmp_path / "train.jsonl", streaming=True)
+    t = TrainConfig(global_batch_size=4, micro_batch_size=2)
+    ranks = [build_batches(cfg, t, rank, 2, rank == 0) for rank in range(2)]
+    processor = ranks[0][0]
+
+    def processed(indices: list[int]) -> dict:
+        records = [lines[i] for i in indices]
+        return processor(
+            text=[processor.apply_chat_template(r["messages"], tokenize=False) for r in records],
+            images=[[Image.open(tmp_path / r["images"][0]).convert("RGB")] for r in records],
+            padding="longest",
+            padding_side="right",
+            add_special_tokens=False,
+            return_tensors="pt",
+        )
+
+    def assert_is(batch, indices: list[int]) -> None:
+        out = processed(indices)
+        assert torch.equal(batch.input_ids, out["input_ids"][:, :-1]), indices
+        assert torch.equal(batch.images["pixel_values"], out["pixel_values"]), indices
+        for labels, i in zip(batch.labels, indices):
+            answer = processor.tokenizer.decode(labels[labels != -100])
+            assert answer == f"{lines[i]['messages'][1]['content'][0]['text']}<|eos|>"
+
+    for (_, batches), first in zip(ranks, ([0, 2], [1, 3])):
+        [batch] = batches.micro_batches(0)
+        assert_is(batch, first)
+    states = [batches.state_dict() for _, batches in ranks]
+    [second] = ranks[0][1].micro_batches(4)
+    assert_is(second, [8, 10])  # records 4 and 6 passed over
+    assert capsys.readouterr().out.count("is passed over (said once)") == 1
+    resumed = build_batches(cfg, t, 0, 2, True)[1]
+    resumed.load_state_dict(states)
+    [again] = resumed.micro_batches(4)
+    assert_is(again, [8, 10])
+    with pytest.raises(ConfigError, match="checkpointed on 2 data-parallel ranks; a stream resumes only"):
+        build_batches(cfg, TrainConfig(global_batch_size=4, micro_batch_size=4), 0, 1, True)[
+            1
+        ].load_state_dict(states)

@@ -244,27 +244,31 @@ class LocalBatches:
         return to_batch(rows, self.pad_id, self.document_eos)
 
 
+def open_stream(cfg: DataConfig, dp_rank: int, dp_size: int):
+    """This data-parallel rank's part of data.dataset, streamed (local files or the hub)."""
+    import datasets.distributed
+
+    files = local_files(cfg.dataset)
+    try:
+        if files:
+            ds = load_local(files, cfg.split, streaming=True)
+        else:
+            ds = datasets.load_dataset(cfg.dataset, cfg.dataset_config, split=cfg.split, streaming=True)
+    except Exception as e:  # the hub client raises many types; all mean "cannot get this dataset"
+        raise ConfigError(
+            f"data.dataset {cfg.dataset!r} could not be streamed ({str(e).splitlines()[0]}); "
+            f"check the name and network, or use local files"
+        ) from None
+    return datasets.distributed.split_dataset_by_node(ds, rank=dp_rank, world_size=dp_size)
+
+
 class StreamingBatches:
     """Streamed and packed on the fly; each rank reads its own part, so batches depend on the world size."""
 
     def __init__(
         self, cfg: DataConfig, tokenizer, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int
     ):
-        import datasets
-        from datasets.distributed import split_dataset_by_node
-
-        files = local_files(cfg.dataset)
-        try:
-            if files:
-                ds = load_local(files, cfg.split, streaming=True)
-            else:
-                ds = datasets.load_dataset(cfg.dataset, cfg.dataset_config, split=cfg.split, streaming=True)
-        except Exception as e:  # the hub client raises many types; all mean "cannot get this dataset"
-            raise ConfigError(
-                f"data.dataset {cfg.dataset!r} could not be streamed ({str(e).splitlines()[0]}); "
-                f"check the name and network, or use local files"
-            ) from None
-        self.dataset = split_dataset_by_node(ds, rank=dp_rank, world_size=dp_size)
+        self.dataset = open_stream(cfg, dp_rank, dp_size)
         self.stream = iter(self.dataset)
         self.tokenizer, self.cfg = tokenizer, cfg
         self.accum = global_batch // (micro_batch * dp_size)
@@ -319,10 +323,10 @@ def build_batches(
     """(tokenizer, this rank's batches of train.global_batch_size and train.micro_batch_size): packed text,
     SFT rows trained on the answers only, or image-text rows (then the release's processor, not its
     tokenizer). The tokenizer must fit the model's `vocab_size`, if given."""
-    from common.data import image_records, sft  # they build on this module
+    from common.data import image_records, image_stream, sft  # they build on this module
 
-    if not cfg.streaming and image_records.has_images(cfg.dataset, cfg.split):
-        tokenizer, batches = image_records.build_image_batches(cfg, t, dp_rank, dp_size, is_main)
+    if image_records.has_images(cfg.dataset, cfg.split):  # read whole or streamed
+        tokenizer, batches = image_stream.build_whole_or_streamed(cfg, t, dp_rank, dp_size, is_main)
     elif not cfg.streaming and sft.is_sft(cfg.dataset, cfg.text_field, cfg.split):
         return sft.build_sft_batches(cfg, t, dp_rank, dp_size, is_main, vocab_size)
     else:

@@ -219,6 +219,17 @@ def example_tokens(processor, record: dict, folder: str | None, key: str) -> tup
     return ids, answer
 
 
+def record_row(processor, record: dict, seq_len: int, index: int, folder: str | None, key: str):
+    """A record's [3, seq_len + 1] row: token ids, answer flags and `index` (PAD past the end); None where
+    it renders to more than seq_len + 1 tokens (its image tokens cannot be cut)."""
+    ids, answer = example_tokens(processor, record, folder, key)
+    if len(ids) > seq_len + 1:
+        return None
+    row = np.full((3, seq_len + 1), PAD, dtype=np.int64)
+    row[0, : len(ids)], row[1, : len(ids)], row[2] = ids, answer, index
+    return row
+
+
 def rows_path(
     cfg: DataConfig, processor, source, split: str, is_main: bool, key: str, records, folder
 ) -> str:
@@ -229,15 +240,10 @@ def rows_path(
     def build() -> np.ndarray:
         rows, too_long = [], 0
         for index, record in enumerate(records):
-            ids, answer = example_tokens(processor, record, folder, key)
-            if len(ids) > cfg.seq_len + 1:
-                too_long += 1
-                continue
-            if not any(answer[1:]):
-                continue
-            row = np.full((3, cfg.seq_len + 1), PAD, dtype=np.int64)
-            row[0, : len(ids)], row[1, : len(ids)], row[2] = ids, answer, index
-            rows.append(row)
+            row = record_row(processor, record, cfg.seq_len, index, folder, key)
+            too_long += row is None
+            if row is not None and (row[1, 1:] == 1).any():  # a record with no answer trains nothing
+                rows.append(row)
         if too_long:  # cutting one would split an image's tokens from its pixels
             print(
                 f"{key}: {too_long} of {len(records)} records render to more than data.seq_len + 1 = "
@@ -270,31 +276,7 @@ class ImageBatches(LocalBatches):
 
     def _batch(self, rows: np.ndarray) -> Batch:
         records = [self.records[int(row[2, 0])] for row in rows]
-        texts = [self.processor.apply_chat_template(r["messages"], tokenize=False) for r in records]
-        images = [open_images(r, self.folder, self.key) for r in records]
-        length = int((rows[:, 0] != PAD).sum(axis=1).max())  # padded to the longest row, as TRL's collator
-        out = self.processor(
-            text=texts,
-            images=images if any(images) else None,
-            padding="max_length",
-            max_length=length,
-            padding_side="right",
-            add_special_tokens=False,
-            return_tensors="pt",
-        )
-        rows = np.array(rows[:, :, :length])
-        ids, answer = torch.from_numpy(rows[:, 0]), torch.from_numpy(rows[:, 1])
-        if not torch.equal(out["input_ids"][ids != PAD], ids[ids != PAD]):
-            raise RuntimeError("the processor rendered a record differently from its cached rows")
-        inputs = out["input_ids"][:, :-1]
-        labels = torch.where(answer[:, 1:] == 1, out["input_ids"][:, 1:], -100)
-        extra = {
-            name: value[:, :-1] if value.dim() == 2 and value.shape[1] == length else value
-            for name, value in out.items()
-            if name not in ("input_ids", "attention_mask")  # right padding: causal attention ignores it
-        }
-        # No position ids: the model makes its own (Qwen-VL's 3-D rotary positions come from the image grid).
-        return Batch(inputs, labels, images=extra)
+        return collate(self.processor, records, rows, self.folder, self.key)
 
     def held_out(self, max_rows: int, batch_size: int, dp_rank: int, dp_size: int) -> list[Batch]:
         """This data-parallel rank's batches of the first max_rows rows; every rank runs as many, and past the
@@ -307,6 +289,37 @@ class ImageBatches(LocalBatches):
             batch.labels[[j for j, i in enumerate(index) if i >= len(rows)]] = -100
             batches.append(batch)
         return batches
+
+
+def collate(processor, records: list, rows: np.ndarray, folder: str | None, key: str) -> Batch:
+    """The processor's output for `records`, whose [3, seq_len + 1] `rows` (token ids, answer flags) were
+    rendered from them: pixel values, image grids or sizes, token types, right-padded to the longest record
+    and shifted as text rows are."""
+    texts = [processor.apply_chat_template(r["messages"], tokenize=False) for r in records]
+    images = [open_images(r, folder, key) for r in records]
+    length = int((rows[:, 0] != PAD).sum(axis=1).max())  # padded to the longest row, as TRL's collator
+    out = processor(
+        text=texts,
+        images=images if any(images) else None,
+        padding="max_length",
+        max_length=length,
+        padding_side="right",
+        add_special_tokens=False,
+        return_tensors="pt",
+    )
+    rows = np.array(rows[:, :, :length])
+    ids, answer = torch.from_numpy(rows[:, 0]), torch.from_numpy(rows[:, 1])
+    if not torch.equal(out["input_ids"][ids != PAD], ids[ids != PAD]):
+        raise RuntimeError("the processor rendered a record differently from its rows")
+    inputs = out["input_ids"][:, :-1]
+    labels = torch.where(answer[:, 1:] == 1, out["input_ids"][:, 1:], -100)
+    extra = {
+        name: value[:, :-1] if value.dim() == 2 and value.shape[1] == length else value
+        for name, value in out.items()
+        if name not in ("input_ids", "attention_mask")  # right padding: causal attention ignores it
+    }
+    # No position ids: the model makes its own (Qwen-VL's 3-D rotary positions come from the image grid).
+    return Batch(inputs, labels, images=extra)
 
 
 def build_image_batches(cfg: DataConfig, t: TrainConfig, dp_rank: int, dp_size: int, is_main: bool):

@@ -71,7 +71,7 @@ from transformers import (
 )
 
 from common.config import DataConfig, TrainConfig
-from common.data.batches import build_batches
+from common.data.train_batches import build_batches
 from common.mesh import gather
 from common.ops.cli import end_process
 from common.ops.metrics import peak_memory_bytes, reset_peak_memory

@@ -28,10 +28,11 @@ from common.checkpoint import (
     train_state,
 )
 from common.config import Config, ConfigError, TrainConfig
-from common.data.batches import Batch, build_batches
+from common.data.batches import Batch
 from common.data.checks import check_batch_sizes
 from common.data.held_out import held_out_batches
 from common.data.image_records import refuse_images
+from common.data.train_batches import build_batches
 from common.evaluate import eval_mode, evaluate
 from common.mesh import build_meshes, init_distributed, resolve_device, resolve_dp_sizes
 from common.model import build_meta_model, load_model_config

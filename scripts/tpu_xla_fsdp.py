@@ -39,8 +39,8 @@ from transformers import AutoModelForCausalLM
 from common.architectures import init_buffers, is_image_text
 from common.checkpoint import checkpoints_dir, finish_checkpoint, restore_train_state, train_state
 from common.config import Config, ConfigError, FsdpConfig
-from common.data.batches import build_batches
 from common.data.checks import check_vocab_size
+from common.data.train_batches import build_batches
 from common.model import build_meta_model, init_weights, load_model_config
 from common.ops.cli import parse_args, run_cli
 from common.ops.integrity import verify_model_checksums

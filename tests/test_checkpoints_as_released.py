@@ -178,7 +178,7 @@ def test_phi_trains_its_output_layer_bias_and_exports_the_loss_transformers_comp
 def transformers_fixed_loss(model, run_dir) -> float:
     """Transformers' loss on the run's fixed batch, rebuilt from its config as the recipe builds it."""
     from common.config import TrainConfig
-    from common.data.batches import build_batches
+    from common.data.train_batches import build_batches
 
     with open(os.path.join(run_dir, "run_config.json")) as f:
         config = json.load(f)

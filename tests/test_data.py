@@ -12,10 +12,10 @@ from common.data.batches import (
     PAD,
     LocalBatches,
     StreamingBatches,
-    ensure_embedded_tokenizer,
     load_tokenizer,
     prepare_local_data,
 )
+from common.data.embedded import ensure_embedded_tokenizer
 from launch import event, losses, pretrain, steps
 
 DOCS = [f"def function_{i}(x):\n    return x * {i} + {i * i}\n" * (5 + i % 7) for i in range(60)]

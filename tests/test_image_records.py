@@ -126,7 +126,7 @@ def test_streamed_records_are_each_ranks_part_in_order_and_resume_at_the_next_re
     many ranks."""
     from PIL import Image
 
-    from common.data.batches import build_batches
+    from common.data.train_batches import build_batches
 
     write_shape_records(tmp_path, 12)
     lines = [json.loads(line) for line in open(tmp_path / "train.jsonl")]

@@ -30,6 +30,20 @@ def test_copying_pretrain_takes_a_small_core_and_the_core_imports_nothing_else()
             assert {part(p) for p in imports(path)} <= {"core"}, path
 
 
+def test_no_two_modules_of_common_import_each_other_directly_or_through_others():
+    """An import inside a function counts: a reader still goes round the circle."""
+    graph = {path: imports(path) - {path} for path in common_modules()}
+    for start in graph:
+        seen, todo = set(), [[start]]
+        while todo:
+            trail = todo.pop()
+            for module in graph.get(trail[-1], ()):
+                assert module != start, "an import circle: " + " -> ".join([*trail, start])
+                if module not in seen:
+                    seen.add(module)
+                    todo.append([*trail, module])
+
+
 def test_no_test_hooks_and_no_script_names_in_product_code():
     hooks = re.compile(r"FSDP2_RECIPES_FAULT|inject_fault|arm_gradient_fault|sample_ids")
     names = re.compile("|".join(SCRIPTS))

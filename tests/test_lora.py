@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from with_sample_log import read_sample_log
 
-from common.data.batches import build_batches
+from common.data.train_batches import build_batches
 from common.ops.config_sources import load_config
 from launch import (
     REPO,

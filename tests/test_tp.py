@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from common.data.batches import build_batches
+from common.data.train_batches import build_batches
 from common.ops.config_sources import load_config
 from launch import (
     REPO,

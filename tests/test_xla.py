@@ -187,7 +187,7 @@ def test_export_loads_in_plain_transformers_with_the_trained_loss(straight):
     model, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     cfg = load_config(DEBUG_TPU)
-    from common.data.batches import build_batches
+    from common.data.train_batches import build_batches
 
     cfg.data.tokenizer = export
     _, data = build_batches(cfg.data, cfg.train, 0, 1, is_main=True)

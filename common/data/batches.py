@@ -4,7 +4,6 @@ seed alone, so the math does not change with the world size and a run resumes an
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -14,19 +13,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common.config import ConfigError, DataConfig, TrainConfig
-from common.data.checks import check_records, check_vocab_size, text_needs
+from common.config import ConfigError, DataConfig
+from common.data.checks import check_records, text_needs
 from common.data.embedded import (
     EMBEDDED_CORPUS,
     builds_caches,
     embedded_documents,
     embedded_tokenizer_dir,
-    ensure_embedded_tokenizer,
     temporary_name,
 )
+from common.data.files import file_fingerprint, load_local, local_files, open_stream
 
 PAD = -1  # padding inside the cached array; it becomes pad_token_id in inputs and -100 in labels
-LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 # DataConfig fields that do not change the token array, so are not in its cache key.
 NOT_CACHED = ("eval_dataset", "eval_split", "streaming", "document_mask", "cache_dir")
 
@@ -35,32 +33,6 @@ def _cache_key(cfg: DataConfig, extra: str) -> str:
     fields = {k: v for k, v in vars(cfg).items() if k not in NOT_CACHED}
     text = json.dumps(fields, sort_keys=True) + EMBEDDED_CORPUS + extra
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def local_files(dataset: str | list) -> list[str] | None:
-    """The files the paths or globs match, or None."""
-    patterns = dataset if isinstance(dataset, list) else [dataset]
-    files = sorted(f for p in patterns for f in glob.glob(os.path.expanduser(p)))
-    if not files:
-        return None
-    exts = sorted({os.path.splitext(f)[1] for f in files})
-    if len(exts) != 1 or exts[0] not in LOCAL_FORMATS:
-        raise ConfigError(
-            f"data.dataset {dataset!r} matches files of types {exts}; use one of {', '.join(LOCAL_FORMATS)}"
-        )
-    return files
-
-
-def load_local(files: list[str], split: str, **kwargs):
-    import datasets
-
-    return datasets.load_dataset(
-        LOCAL_FORMATS[os.path.splitext(files[0])[1]], data_files=files, split=split, **kwargs
-    )
-
-
-def file_fingerprint(files: list[str]) -> str:
-    return json.dumps([(f, os.path.getsize(f), int(os.path.getmtime(f))) for f in files])
 
 
 def load_tokenizer(cfg: DataConfig):
@@ -244,24 +216,6 @@ class LocalBatches:
         return to_batch(rows, self.pad_id, self.document_eos)
 
 
-def open_stream(cfg: DataConfig, dp_rank: int, dp_size: int):
-    """This data-parallel rank's part of data.dataset, streamed (local files or the hub)."""
-    import datasets.distributed
-
-    files = local_files(cfg.dataset)
-    try:
-        if files:
-            ds = load_local(files, cfg.split, streaming=True)
-        else:
-            ds = datasets.load_dataset(cfg.dataset, cfg.dataset_config, split=cfg.split, streaming=True)
-    except Exception as e:  # the hub client raises many types; all mean "cannot get this dataset"
-        raise ConfigError(
-            f"data.dataset {cfg.dataset!r} could not be streamed ({str(e).splitlines()[0]}); "
-            f"check the name and network, or use local files"
-        ) from None
-    return datasets.distributed.split_dataset_by_node(ds, rank=dp_rank, world_size=dp_size)
-
-
 class StreamingBatches:
     """Streamed and packed on the fly; each rank reads its own part, so batches depend on the world size."""
 
@@ -315,36 +269,3 @@ class StreamingBatches:
             rows = np.array([self._next_row() for _ in range(self.micro_batch)])
             out.append(to_batch(rows, PAD, self.document_eos))  # streamed rows hold no PAD
         return out
-
-
-def build_batches(
-    cfg: DataConfig, t: TrainConfig, dp_rank: int, dp_size: int, is_main: bool, vocab_size: int | None = None
-):
-    """(tokenizer, this rank's batches of train.global_batch_size and train.micro_batch_size): packed text,
-    SFT rows trained on the answers only, or image-text rows (then the release's processor, not its
-    tokenizer). The tokenizer must fit the model's `vocab_size`, if given."""
-    from common.data import image_records, image_stream, sft  # they build on this module
-
-    if image_records.has_images(cfg.dataset, cfg.split):  # read whole or streamed
-        tokenizer, batches = image_stream.build_whole_or_streamed(cfg, t, dp_rank, dp_size, is_main)
-    elif not cfg.streaming and sft.is_sft(cfg.dataset, cfg.text_field, cfg.split):
-        return sft.build_sft_batches(cfg, t, dp_rank, dp_size, is_main, vocab_size)
-    else:
-        tokenizer, batches = _text_batches(cfg, t, dp_rank, dp_size, is_main)
-    if vocab_size is not None:
-        check_vocab_size(getattr(tokenizer, "tokenizer", tokenizer), vocab_size)  # a processor's tokenizer
-    return tokenizer, batches
-
-
-def _text_batches(cfg: DataConfig, t: TrainConfig, dp_rank: int, dp_size: int, is_main: bool):
-    seed, global_batch, micro_batch = t.seed, t.global_batch_size, t.micro_batch_size
-    ensure_embedded_tokenizer(cfg, is_main)
-    if cfg.streaming:
-        tokenizer = load_tokenizer(cfg)
-        return tokenizer, StreamingBatches(cfg, tokenizer, global_batch, micro_batch, dp_rank, dp_size)
-    tokens_path = prepare_local_data(cfg, is_main)
-    tokenizer = load_tokenizer(cfg)
-    document_eos = tokenizer.eos_token_id if cfg.document_mask else None
-    return tokenizer, LocalBatches(
-        tokens_path, pad_token_id(tokenizer), seed, global_batch, micro_batch, dp_rank, dp_size, document_eos
-    )

@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable, Iterator
 
 from common.config import ConfigError, DataConfig, TrainConfig
+from common.data.files import local_files
 
 NEEDS = Callable[[dict], str | None]  # what a record lacks, or None
 
@@ -112,7 +113,6 @@ def check_split_keys(cfg: DataConfig) -> None:
     """data.split, eval_split and dataset_config choose among a hub dataset's splits and configs (the
     "arithmetic" task has a train split and a held-out one). The embedded corpus and local files have one of
     each, so there they would be ignored: they are errors, before any work."""
-    from common.data.batches import local_files  # batches imports this module
 
     def chooses(source, configs: bool = False) -> bool:
         fixed = ("embedded", "arithmetic") if configs else ("embedded",)

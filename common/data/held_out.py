@@ -7,19 +7,10 @@ from __future__ import annotations
 import numpy as np
 
 from common.config import ConfigError, DataConfig, EvalConfig
-from common.data.batches import (
-    Batch,
-    file_fingerprint,
-    load_local,
-    local_files,
-    pack_documents,
-    pad_token_id,
-    prepare_local_data,
-    text_column,
-    to_batch,
-)
+from common.data.batches import Batch, pack_documents, pad_token_id, prepare_local_data, text_column, to_batch
 from common.data.checks import check_records, held_out_source, text_needs
 from common.data.embedded import embedded_documents
+from common.data.files import file_fingerprint, load_local, local_files
 from common.data.image_records import has_images, held_out_image_batches
 from common.data.sft import is_sft, sft_batch, sft_rows_path
 

@@ -12,17 +12,10 @@ import numpy as np
 import torch
 
 from common.config import ConfigError, DataConfig, EvalConfig, TrainConfig
-from common.data.batches import (
-    PAD,
-    Batch,
-    LocalBatches,
-    file_fingerprint,
-    load_local,
-    local_files,
-    prepare_local_data,
-)
+from common.data.batches import PAD, Batch, LocalBatches, prepare_local_data
 from common.data.checks import held_out_source
 from common.data.embedded import embedded_tokenizer_dir, ensure_embedded_tokenizer
+from common.data.files import file_fingerprint, load_local, local_files
 
 # TRL's columns of media beside `messages`; only images are rendered, the others are one line
 MEDIA_COLUMNS = ("images", "videos", "audios", "video", "audio")

@@ -10,9 +10,9 @@ import os
 import numpy as np
 
 from common.config import ConfigError, DataConfig, TrainConfig
-from common.data import image_records
-from common.data.batches import Batch, local_files, open_stream
+from common.data.batches import Batch
 from common.data.embedded import ensure_embedded_tokenizer
+from common.data.files import local_files, open_stream
 from common.data.image_records import collate, load_processor, record_row
 
 KEY = "data.dataset"
@@ -73,11 +73,8 @@ class StreamingImageBatches:
         self.stream = iter(self.dataset)
 
 
-def build_whole_or_streamed(cfg: DataConfig, t: TrainConfig, dp_rank: int, dp_size: int, is_main: bool):
-    """(the processor, which checkpoints and the export save whole; this rank's batches of data.dataset's
-    image-text records): StreamingImageBatches with data.streaming, else image_records.ImageBatches."""
-    if not cfg.streaming:
-        return image_records.build_image_batches(cfg, t, dp_rank, dp_size, is_main)
+def build_streaming_image_batches(cfg: DataConfig, t: TrainConfig, dp_rank: int, dp_size: int, is_main: bool):
+    """(the processor, which checkpoints and the export save whole; this rank's StreamingImageBatches)."""
     ensure_embedded_tokenizer(cfg, is_main)
     processor = load_processor(cfg)
     return processor, StreamingImageBatches(cfg, processor, t, dp_rank, dp_size)

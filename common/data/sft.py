@@ -11,19 +11,10 @@ import numpy as np
 import torch
 
 from common.config import ConfigError, DataConfig, TrainConfig
-from common.data.batches import (
-    LOCAL_FORMATS,
-    Batch,
-    LocalBatches,
-    file_fingerprint,
-    load_local,
-    load_tokenizer,
-    local_files,
-    pad_token_id,
-    prepare_local_data,
-)
+from common.data.batches import Batch, LocalBatches, load_tokenizer, pad_token_id, prepare_local_data
 from common.data.checks import check_records, check_vocab_size, sft_needs
 from common.data.embedded import ensure_embedded_tokenizer
+from common.data.files import LOCAL_FORMATS, file_fingerprint, load_local, local_files
 
 ARITHMETIC = "arithmetic"  # the built-in task: "17+25=" -> "42"
 

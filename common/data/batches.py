@@ -216,6 +216,18 @@ class LocalBatches:
         return to_batch(rows, self.pad_id, self.document_eos)
 
 
+def own_stream_state(states: list[dict], dp_rank: int, dp_size: int) -> dict:
+    """This data-parallel rank's saved stream, of every rank's state_dict(). The ranks of a context-parallel
+    group read one stream and save the same state, so the states are keyed by data-parallel rank."""
+    streams = {state.get("dp_rank", rank): state for rank, state in enumerate(states)}
+    if len(streams) != dp_size:
+        raise ConfigError(
+            f"this streaming run was checkpointed on {len(streams)} data-parallel ranks; a stream "
+            f"resumes only on the same number (use local files to resume on another world size)"
+        )
+    return streams[dp_rank]
+
+
 class StreamingBatches:
     """Streamed and packed on the fly; each rank reads its own part, so batches depend on the world size."""
 
@@ -250,15 +262,7 @@ class StreamingBatches:
         return {"dataset": dataset, "buffer": self.buffer, "dp_rank": self.dp_rank}
 
     def load_state_dict(self, states: list[dict]) -> None:
-        """`states`: every rank's state_dict(). The ranks of a context-parallel group read one stream and
-        save the same state, so the states are keyed by data-parallel rank, not rank."""
-        streams = {state.get("dp_rank", rank): state for rank, state in enumerate(states)}
-        if len(streams) != self.dp_size:
-            raise ConfigError(
-                f"this streaming run was checkpointed on {len(streams)} data-parallel ranks; a stream "
-                f"resumes only on the same number (use local files to resume on another world size)"
-            )
-        mine = streams[self.dp_rank]
+        mine = own_stream_state(states, self.dp_rank, self.dp_size)
         self.dataset.load_state_dict(mine["dataset"])
         self.stream = iter(self.dataset)
         self.buffer = mine["buffer"]

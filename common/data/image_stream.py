@@ -10,7 +10,7 @@ import os
 import numpy as np
 
 from common.config import ConfigError, DataConfig, TrainConfig
-from common.data.batches import Batch
+from common.data.batches import Batch, own_stream_state
 from common.data.embedded import ensure_embedded_tokenizer
 from common.data.files import local_files, open_stream
 from common.data.image_records import collate, load_processor, record_row
@@ -61,15 +61,7 @@ class StreamingImageBatches:
         return {"dataset": self.dataset.state_dict(), "dp_rank": self.dp_rank}
 
     def load_state_dict(self, states: list[dict]) -> None:
-        """`states`: every rank's state_dict(), keyed by data-parallel rank (the cp and tp ranks of one
-        data-parallel rank read one stream)."""
-        streams = {state["dp_rank"]: state for state in states}
-        if len(streams) != self.dp_size:
-            raise ConfigError(
-                f"this streaming run was checkpointed on {len(streams)} data-parallel ranks; a stream "
-                f"resumes only on the same number (use local files to resume on another world size)"
-            )
-        self.dataset.load_state_dict(streams[self.dp_rank]["dataset"])
+        self.dataset.load_state_dict(own_stream_state(states, self.dp_rank, self.dp_size)["dataset"])
         self.stream = iter(self.dataset)
 
 

@@ -9,6 +9,7 @@ import os
 
 from common.architectures import is_image_text
 from common.config import Config, ConfigError
+from common.data.files import local_files
 from common.data.image_records import SHAPES, has_images
 from common.ops.config_sources import load_config
 
@@ -83,7 +84,7 @@ def parse(argv: list[str] | None, description: str) -> tuple[argparse.Namespace,
 
 def images_per_row(requested: int | None, cfg: Config, hf_config) -> int:
     """--images-per-row, else: 1 for an image-text release, unless its data.dataset is text where that can be
-    read here (a local file or a built-in task; a hub dataset is taken to hold images), else 0."""
+    read here (local files, by path or glob, or a built-in task; a hub dataset is taken to hold images)."""
     if not is_image_text(hf_config):
         if requested:
             raise ConfigError(
@@ -94,7 +95,5 @@ def images_per_row(requested: int | None, cfg: Config, hf_config) -> int:
     if requested is not None:
         return requested
     source = cfg.data.dataset
-    readable = (
-        source in (SHAPES, "embedded", "arithmetic") or not isinstance(source, str) or os.path.exists(source)
-    )
+    readable = source in (SHAPES, "embedded", "arithmetic") or local_files(source)  # paths or globs
     return int(has_images(source, cfg.data.split)) if readable else 1

@@ -1,4 +1,4 @@
-"""What syncing the FULL export to disk, and reading it back, cost: common/weights.export_full as it runs
+"""What syncing the FULL export to disk, and reading it back, cost: common/export.export_full as it runs
 (synced, then each rank's regions read back and hashed: common/export_check.py), without the read-back, and
 without the fsyncs too (both patched out here, as the export was written before 2026-12-06); and as it runs
 with checkpoint.export_writers=one (each file gathered to one rank, which writes it alone).
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.export_write_once import sharded_llama
-from common import export_check, weights
+from common import export, export_check
 from common.config import Config
 from tests.launch import run_command, tiny, torchrun
 
@@ -53,7 +53,7 @@ def as_rank(work: str, repeats: int) -> None:
                 os.sync()  # each export starts with no dirty pages of the last one to write back
             dist.barrier()
             start = time.perf_counter()
-            weights.export_full(model, f"{work}/export", None, torch.float32, cfg)
+            export.export_full(model, f"{work}/export", None, torch.float32, cfg)
             times[mode].append(time.perf_counter() - start)
             if dist.get_rank() == 0:
                 shutil.rmtree(f"{work}/export")

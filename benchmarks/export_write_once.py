@@ -8,7 +8,7 @@ exported in fp32, split at 1GB, three ways, one after another, `--repeats` times
 - "DCP + consolidation": the recipes' path before this one, kept here to compare. Every rank writes its
   shards as part files (DCP's Hugging Face writer), then assembles its output files from them (torch's
   consolidation): each byte is written twice.
-- "in place": common/weights.export_full, as the recipes export now. Rank 0 creates the output files with
+- "in place": common/export.export_full, as the recipes export now. Rank 0 creates the output files with
   their headers; DCP's save has every rank write its shards straight at their offsets there.
 - "gather, write once": each weight of output file i is gathered to rank i mod world (dist.gather of the
   padded shards), which writes the file with safetensors' save_file, as save_pretrained does, and checksums
@@ -46,7 +46,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.weights_io import SIZE
-from common import manifest, weights
+from common import export, manifest
 from common.config import Config
 from tests.launch import assert_same_weights, run_command, tiny, torchrun
 
@@ -57,8 +57,8 @@ def export_consolidated(model, out_dir: str, cfg: Config) -> None:
     """The FULL export as the recipes wrote it until 2026-12-05 (dense, fp32, no LoRA): DCP's Hugging Face
     writer puts each rank's shards in part files, then rank r assembles output files r, r + world, ... from
     them with torch's consolidation (private in torch 2.13), and checksums them for the manifest."""
-    whole, state = weights.saved_state(model, model.state_dict(), torch.float32)
-    split = weights.save_pretrained_split(whole, cfg.checkpoint.max_shard_size)
+    whole, state = export.tensors_to_write(model, model.state_dict(), torch.float32)
+    split = export.save_pretrained_split(whole, cfg.checkpoint.max_shard_size)
     order = sorted(split.filename_to_tensors)
     file_of = {key: order.index(file) + 1 for key, file in split.tensor_to_filename.items()}
     tmp, parts = f"{out_dir}.tmp", f"{out_dir}.tmp/parts"
@@ -72,7 +72,7 @@ def export_consolidated(model, out_dir: str, cfg: Config) -> None:
     if dist.get_rank() == 0:
         shutil.rmtree(parts)
         os.remove(f"{tmp}/model.safetensors.index.json")  # torch's, in place of save_pretrained's
-        weights.write_index(model, tmp, split)
+        export.write_index(model, tmp, split)
     dist.barrier()
 
 
@@ -82,7 +82,7 @@ def write_once(model, out_dir: str, max_shard_size: str) -> float:
     rank, world = dist.get_rank(), dist.get_world_size()
     state = model.state_dict()
     meta = {name: torch.empty(p.shape, device="meta") for name, p in state.items()}
-    split = weights.save_pretrained_split(weights.saved_sources(model, meta)[0], max_shard_size)
+    split = export.save_pretrained_split(export.save_pretrained_keys(model, meta)[0], max_shard_size)
     tmp = f"{out_dir}.tmp"
     os.makedirs(tmp, exist_ok=True)
     files, own, gathering = sorted(split.filename_to_tensors), [], 0.0
@@ -102,7 +102,7 @@ def write_once(model, out_dir: str, max_shard_size: str) -> float:
     every = [None] * world
     dist.all_gather_object(every, manifest.describe(tmp, own))
     if rank == 0 and split.is_sharded:
-        weights.write_index(model, tmp, split)
+        export.write_index(model, tmp, split)
     dist.barrier()
     return gathering
 
@@ -155,7 +155,7 @@ def as_rank(work: str, repeats: int) -> None:
             if path == PATHS[0]:
                 export_consolidated(model, out_dir, cfg)
             elif path == PATHS[1]:
-                weights.export_full(model, out_dir, None, torch.float32, cfg)
+                export.export_full(model, out_dir, None, torch.float32, cfg)
             else:
                 times["gathering"].append(write_once(model, out_dir, cfg.checkpoint.max_shard_size))
             times[path].append(time.perf_counter() - start)

@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from common import manifest
 from common.config import ConfigError
+from common.export import move_into_place, save_config
 from common.mesh import gather
-from common.weights import move_into_place, save_config
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 # What a checkpoint holds of the model: every weight that trains. A frozen base (LoRA) comes back from

@@ -24,9 +24,10 @@ from transformers.core_model_loading import (
     rename_source_key,
 )
 
-from common import experts, lora
+from common import experts
 from common.architectures import is_image_text
 from common.config import ConfigError
+from common.model import base_name
 
 INDEX = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"  # FP8 weights: `<weight key>_scale_inv`, beside the weight
@@ -109,9 +110,9 @@ def checkpoint_layout(model: nn.Module, path: str, ours: dict) -> Layout:
         )
     aliases = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(parameter, []).append(lora.base_name(name))
+        aliases.setdefault(parameter, []).append(base_name(name))
     skip = {name for same in aliases.values() if layout.names.keys() & same for name in same}
-    skip |= {lora.base_name(name) for name, _ in model.named_buffers()}
+    skip |= {base_name(name) for name, _ in model.named_buffers()}
     loaded = layout.names.keys() | layout.fused.keys() | layout.mxfp4.keys() | skip
     missing = next((n for n in ours if n not in loaded), None)
     if missing:  # from_pretrained then loads it, with its own word on any key it does not use

@@ -14,9 +14,9 @@ from common.safetensors_writer import SafetensorsInPlace
 
 
 def write_each_file_from_one_rank(writer: SafetensorsInPlace, state: dict, whole: dict, files: dict) -> None:
-    """`state`: {key: this rank's part to write} (weights.saved_state: a DTensor shard, or a whole tensor that
-    this rank alone holds, such as an expert split back); `whole`: {key: a meta tensor of the whole weight};
-    `files`: {file: its keys}. Collective: every rank runs every round."""
+    """`state`: {key: this rank's part to write} (export.tensors_to_write: a DTensor shard, or a whole
+    tensor that this rank alone holds, such as an expert split back); `whole`: {key: a meta tensor of the
+    whole weight}; `files`: {file: its keys}. Collective: every rank runs every round."""
     rank, world = dist.get_rank(), dist.get_world_size()
     held = [None] * world  # {key: whether it is a DTensor} of each rank
     dist.all_gather_object(held, {key: isinstance(t, DTensor) for key, t in state.items()})

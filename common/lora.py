@@ -16,11 +16,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPO
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from common.config import ConfigError, LoraConfig
+from common.model import ADAPTERS, base_name
 
 if TYPE_CHECKING:
     from peft import LoraConfig as PeftLoraConfig
-
-ADAPTERS = "lora_"  # in the name of every adapter parameter (lora_A, lora_B)
 
 
 def peft_config(
@@ -68,16 +67,6 @@ def add_adapters(model: nn.Module, lora: LoraConfig, device_type: str) -> None:
     for param in model.parameters():
         if not param.requires_grad:  # PEFT froze everything but the adapters
             param.data = param.data.to(dtype)
-
-
-def base_name(name: str) -> str:
-    """A parameter's name in the base checkpoint: PEFT moves a wrapped layer's weight to base_layer."""
-    return name.replace(".base_layer", "")
-
-
-def base_state(state: dict) -> dict:
-    """A state dict under the base checkpoint's names, the adapters left out (the tensors themselves)."""
-    return {base_name(n): t for n, t in state.items() if ADAPTERS not in n}
 
 
 @torch.no_grad()
@@ -132,7 +121,3 @@ def merged(state: dict, lora: LoraConfig) -> dict:
             weight = (weight.float() + delta).to(weight.dtype)
         out[base_name(name)] = weight
     return out
-
-
-def has_adapters(model: nn.Module) -> bool:
-    return any(ADAPTERS in name for name, _ in model.named_parameters())

@@ -132,3 +132,22 @@ def init_weights(model: nn.Module, seed: int, std: float) -> None:
                 full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
                 full = full.to_local()
             local.copy_(full)
+
+
+# The seam LoRA needs in the dense path: PEFT (common/lora.py) moves a wrapped layer's weight to base_layer
+# and adds lora_A and lora_B; loading and the export read and write the base checkpoint's names.
+ADAPTERS = "lora_"  # in the name of every adapter parameter (lora_A, lora_B)
+
+
+def base_name(name: str) -> str:
+    """A parameter's name in the base checkpoint: PEFT moves a wrapped layer's weight to base_layer."""
+    return name.replace(".base_layer", "")
+
+
+def base_state(state: dict) -> dict:
+    """A state dict under the base checkpoint's names, the adapters left out (the tensors themselves)."""
+    return {base_name(n): t for n, t in state.items() if ADAPTERS not in n}
+
+
+def has_adapters(model: nn.Module) -> bool:
+    return any(ADAPTERS in name for name, _ in model.named_parameters())

@@ -30,16 +30,16 @@ from transformers.core_model_loading import revert_weight_conversion
 from common import export_check, manifest
 from common.architectures import auto_class
 from common.config import ConfigError
-from common.ops.cli import run_cli
-from common.ops.run_dir import recover_moved
-from common.weights import (
+from common.export import (
     finish_export,
     prepare_for_generation,
     save_model_config,
+    save_pretrained_keys,
     save_pretrained_split,
-    saved_sources,
     write_index,
 )
+from common.ops.cli import run_cli
+from common.ops.run_dir import recover_moved
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         model = auto_class(config).from_config(config, trust_remote_code=args.trust_remote_code)
     stored = stored_weights(args.src, model)
     dtype = getattr(torch, args.dtype)
-    whole, keys_of = saved_sources(
+    whole, keys_of = save_pretrained_keys(
         model, {n: torch.empty(t.shape, dtype=dtype, device="meta") for n, t in stored.items()}
     )
     source = {key: name for name, keys in keys_of.items() for key in keys}

@@ -25,7 +25,7 @@ Planning for a GPU on a CPU (--device cuda, the default):
   copies it back (HostCopies below); the host plan counts it.
 - Gradient clipping and the loss's host reads (.item()) are left out: they hold a few scalars per tensor.
 - Host RAM per rank and per node (--procs-per-node): at load, at a resume, in training, at a checkpoint and
-  at export, from each rank's shards and the paths common/weights.py and DCP take (host_plan), plus
+  at export, from each rank's shards and the paths common/export.py and DCP take (host_plan), plus
   --host-reserve-gib a process (docs/memory.md#host-memory).
 - Image-text releases: --images-per-row images a row (default 1 for an image-text release on image data)
   at the vision tower's resolution; images only where each has a fixed token count (Gemma 3).
@@ -68,7 +68,7 @@ from common.ops.metrics import GIB, CommCounter, sharded_state_bytes
 from common.optim import build_optimizer
 from common.tp import apply_tp
 from common.wrap import apply_fsdp
-from estimate_cli import images_per_row, offline_model, parse, pick_recipe  # beside this script
+from estimate_memory_inputs import images_per_row, offline_model, parse, pick_recipe  # beside this script
 from fake_run_patches import (  # beside this script
     forget_module_stats_before,
     grouped_mm_in_float32,

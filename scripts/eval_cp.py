@@ -39,6 +39,7 @@ from common.data.held_out import held_out_rows, rank_batches
 from common.data.image_records import refuse_images
 from common.data.sft import is_sft
 from common.evaluate import evaluate
+from common.load_weights import is_sharded_export, load_hf_weights, load_sharded_export
 from common.mesh import build_dp_mesh, gather, init_distributed, resolve_device
 from common.model import build_meta_model, load_model_config
 from common.ops import loss_check
@@ -46,7 +47,6 @@ from common.ops.cli import parse_args, run_cli
 from common.ops.integrity import verify_model_checksums
 from common.ops.metrics import GIB, event_line, peak_memory_bytes, reset_peak_memory
 from common.ops.profiling import prepare_diagnostics
-from common.weights import is_sharded_export, load_hf_weights, load_sharded_export
 from common.wrap import apply_fsdp, resolve_layer_classes
 
 CPU_SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default

@@ -41,6 +41,8 @@ from common.data.held_out import held_out_batches
 from common.data.image_records import refuse_images
 from common.data.sft import build_sft_batches
 from common.evaluate import eval_mode, evaluate
+from common.export import export_final
+from common.load_weights import load_or_init_weights
 from common.mesh import gather, init_distributed
 from common.model import build_meta_model, load_model_config
 from common.moe import (
@@ -64,7 +66,6 @@ from common.ops.profiling import prepare_diagnostics
 from common.ops.run_dir import find_resume_checkpoint, load_or_set_aside
 from common.ops.stopping import StopRules
 from common.optim import build_optimizer, clip_grad_norm_, lr_multiplier
-from common.weights import export_final, load_or_init_weights
 from common.wrap import apply_fsdp, resolve_layer_classes
 
 

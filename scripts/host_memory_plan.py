@@ -1,6 +1,6 @@
 """The host-memory half of scripts/estimate_memory.py: each rank's and each node's host RAM at load, at a
 resume, in training, at a checkpoint and at export, from the rank's shards (measured on fake tensors there)
-and the paths common/weights.py, DCP and FSDP's offload take (docs/memory.md#host-memory)."""
+and the paths common/export.py, DCP and FSDP's offload take (docs/memory.md#host-memory)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from huggingface_hub.serialization._base import parse_size_to_int  # save_pretra
 
 from common import manifest
 from common.config import Config
+from common.export import export_dtype
 from common.ops.metrics import GIB
-from common.weights import export_dtype
 
 
 def host_plan(cfg: Config, recipe: str, device_type: str, shards: list[dict], training: dict) -> dict:
     """Each rank's host memory above what its process holds before it loads the weights, in bytes, at load,
-    at a resume, in training, at a checkpoint and at export: what common/weights.py, DCP and FSDP's offload
+    at a resume, in training, at a checkpoint and at export: what common/export.py, DCP and FSDP's offload
     put on the host (docs/memory.md#host-memory). `training`: rank 0's measured peak and host copies. Pages
     of the files read and written are the page cache, the kernel's to drop, and not counted."""
     fsdp, c, trains = cfg.fsdp, cfg.checkpoint, recipe != "eval"
@@ -70,7 +70,7 @@ def pinned(nbytes: int) -> int:
 
 
 def export_bytes(cfg: Config, s: dict, on_host: bool, out_bytes: int) -> int:
-    """What common/weights.py's export holds on a rank's host besides the trained state."""
+    """What common/export.py's export holds on a rank's host besides the trained state."""
     if cfg.lora.r and not cfg.lora.merge_on_export:
         return 0  # the adapters, gathered: small
     if cfg.lora.r or cfg.fsdp.state_dict_type == "FULL_STATE_DICT":  # with LoRA: the merged model

@@ -17,8 +17,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
-from common import cp, lora, loss
+from common import cp, loss
 from common.architectures import init_buffers
 from common.checkpoint import (
     checkpoints_dir,
@@ -34,6 +35,8 @@ from common.data.held_out import held_out_batches
 from common.data.image_records import refuse_images
 from common.data.train_batches import build_batches
 from common.evaluate import eval_mode, evaluate
+from common.export import export_final
+from common.load_weights import load_or_init_weights
 from common.mesh import build_meshes, init_distributed, resolve_device, resolve_dp_sizes
 from common.model import build_meta_model, load_model_config
 from common.ops import loss_check
@@ -52,8 +55,6 @@ from common.ops.profiling import prepare_diagnostics
 from common.ops.run_dir import find_resume_checkpoint, load_or_set_aside
 from common.ops.stopping import StopRules
 from common.optim import build_optimizer, clip_grad_norm_, lr_multiplier
-from common.tp import apply_tp
-from common.weights import export_final, load_or_init_weights
 from common.wrap import apply_fsdp, resolve_layer_classes
 
 
@@ -194,6 +195,21 @@ def check_config(cfg: Config, world_size: int) -> tuple[int, int, int]:
     return dp_replicate, dp_shard, dp_size
 
 
+# A feature's module is imported where its config asks for it: a dense run takes neither (docs/layout.md).
+def add_adapters(model: torch.nn.Module, cfg: Config) -> None:
+    if cfg.lora.r:
+        from common import lora
+
+        lora.add_adapters(model, cfg.lora, resolve_device(cfg.train.device).type)
+
+
+def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh | None) -> None:
+    if tp_mesh is not None:
+        from common.tp import apply_tp
+
+        apply_tp(model, tp_mesh)
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv, description=__doc__)
     t, c, e, p, seq_len = cfg.train, cfg.checkpoint, cfg.eval, cfg.parallelism, cfg.data.seq_len
@@ -205,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     cp.check_cp(seq_len, p.cp_size, True, text_config)
     model = build_meta_model(hf_config, cfg.model, t.gradient_checkpointing)  # on `meta`: no memory yet
     resolve_layer_classes(model, cfg.fsdp)  # a bad class name fails before any process group exists
-    lora.add_adapters(model, cfg.lora, resolve_device(t.device).type)  # lora.r > 0: PEFT's; the base frozen
+    add_adapters(model, cfg)  # lora.r > 0: PEFT's adapters; the base frozen
     loss.compute_loss_in_output_layer(model)  # train.loss_chunk_tokens: no full-vocabulary logits
 
     # Meshes: FSDP over dp_shard or HSDP over (dp_replicate, dp_shard); x cp with CP; x tp with TP.
@@ -223,8 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     resume_from = find_resume_checkpoint(c.dir, c.resume, c.verify_checksums)  # rank 0 picks an undamaged one
 
     # Shard first, then allocate: no rank ever holds the full fp32 model.
-    if tp_mesh is not None:  # the model's own Transformers TP plan; FSDP then shards each TP piece
-        apply_tp(model, tp_mesh)
+    apply_tensor_parallel(model, tp_mesh)  # the model's own Transformers TP plan; FSDP then shards each piece
     sharding = apply_fsdp(model, mesh, cfg.fsdp, device.type, compile_layers=t.compile)
     model.to_empty(device=torch.device("cpu") if cfg.fsdp.cpu_offload else device)
     init_buffers(model, device)

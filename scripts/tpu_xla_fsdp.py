@@ -41,6 +41,8 @@ from common.checkpoint import checkpoints_dir, finish_checkpoint, restore_train_
 from common.config import Config, ConfigError, FsdpConfig
 from common.data.checks import check_vocab_size
 from common.data.train_batches import build_batches
+from common.export import finish_export, prepare_for_generation, save_model_config
+from common.load_weights import is_sharded_export
 from common.model import build_meta_model, init_weights, load_model_config
 from common.ops.cli import parse_args, run_cli
 from common.ops.integrity import verify_model_checksums
@@ -48,7 +50,6 @@ from common.ops.metrics import MetricsLogger, StepLog, checkpoint_record, flops_
 from common.ops.run_dir import find_resume_checkpoint, load_or_set_aside
 from common.ops.stopping import StopRules
 from common.optim import NonFiniteGradients, build_optimizer, lr_multiplier
-from common.weights import finish_export, is_sharded_export, prepare_for_generation, save_model_config
 from common.wrap import plan_units, resolve_layer_classes
 from xla_config import check_xla_config, xla_settings  # beside this script
 

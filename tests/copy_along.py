@@ -1,6 +1,8 @@
 """What you take along when you copy a script: the lines of common/ it imports, directly or through other
 modules, by part. The core (common/*.py) is the FSDP lesson; operations (common/ops/) and data
-(common/data/) can be skipped by a reader and replaced by a copier.
+(common/data/) can be skipped by a reader and replaced by a copier. A feature's module (LoRA, TP) is
+imported inside the function that runs it where its config asks for it: the dense path is what the imports
+at the top of each module take, and each feature adds its own lines.
 
     python tests/copy_along.py            # the tables docs/layout.md holds (tests/test_layout.py checks them)
     python tests/copy_along.py --write    # and write them into docs/layout.md
@@ -22,21 +24,6 @@ SCRIPTS = [
     "convert_to_hf",
 ]
 PARTS = {"ops": "operations", "data": "data"}  # common/<folder>/; everything else in common/ is the core
-# Core modules of the features that came after the restructure ("copy the lesson"), each its own module.
-ADDED_SINCE = (
-    "common/architectures.py",
-    "common/checkpoint_layout.py",
-    "common/evaluate.py",
-    "common/experts.py",
-    "common/export_check.py",
-    "common/export_one_writer.py",
-    "common/image_text.py",
-    "common/joined_weights.py",
-    "common/lora.py",
-    "common/manifest.py",
-    "common/quantized.py",
-    "common/tp.py",
-)
 
 
 def module_path(name: str) -> str | None:
@@ -48,12 +35,13 @@ def module_path(name: str) -> str | None:
     return None
 
 
-def imports(path: str) -> set[str]:
-    """The files of common/ that `path` imports itself (`from common import cp` counts common/cp.py)."""
+def imports(path: str, inside_functions: bool = True) -> set[str]:
+    """The files of common/ that `path` imports itself (`from common import cp` counts common/cp.py); with
+    inside_functions=False, those imported at the top of the module alone."""
     with open(os.path.join(REPO, path)) as f:
         tree = ast.parse(f.read())
     names = set()
-    for node in ast.walk(tree):
+    for node in walk(tree, inside_functions):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -62,10 +50,17 @@ def imports(path: str) -> set[str]:
     return {p for p in found if p}
 
 
-def closure(path: str) -> set[str]:
+def walk(tree: ast.AST, inside_functions: bool):
+    for node in ast.iter_child_nodes(tree):
+        yield node
+        if inside_functions or not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield from walk(node, inside_functions)
+
+
+def closure(path: str, inside_functions: bool = True) -> set[str]:
     seen, todo = set(), [path]
     while todo:
-        for found in imports(todo.pop()) - seen:
+        for found in imports(todo.pop(), inside_functions) - seen:
             seen.add(found)
             todo.append(found)
     return seen
@@ -81,11 +76,26 @@ def lines(path: str) -> int:
         return len(f.read().splitlines())
 
 
-def by_part(script: str) -> dict[str, int]:
+def by_part(script: str, inside_functions: bool = True) -> dict[str, int]:
     counts = {"script": lines(f"scripts/{script}.py"), "core": 0, "operations": 0, "data": 0}
-    for path in closure(f"scripts/{script}.py"):
+    for path in closure(f"scripts/{script}.py", inside_functions):
         counts[part(path)] += lines(path)
     return counts
+
+
+def dense_path(script: str) -> set[str]:
+    """The modules of common/ that `script` takes with no feature: imports at the top of modules alone."""
+    return closure(f"scripts/{script}.py", inside_functions=False)
+
+
+def features(script: str) -> dict[str, set[str]]:
+    """{a feature's module: the modules it adds to the dense path}, for each module of common/ that the
+    script or its dense path imports inside a function."""
+    dense = dense_path(script)
+    lazy = set()
+    for path in {f"scripts/{script}.py"} | dense:
+        lazy |= imports(path) - imports(path, inside_functions=False)
+    return {module: (closure(module) | {module}) - dense for module in sorted(lazy - dense)}
 
 
 def common_modules() -> list[str]:
@@ -93,6 +103,28 @@ def common_modules() -> list[str]:
     for root, _, files in os.walk(os.path.join(REPO, "common")):
         out += [os.path.relpath(os.path.join(root, f), REPO) for f in files if f.endswith(".py")]
     return sorted(out, key=lambda p: (part(p) != "core", part(p), p))
+
+
+def counted(paths: set[str]) -> dict[str, int]:
+    counts = {"core": 0, "operations": 0, "data": 0}
+    for path in paths:
+        counts[part(path)] += lines(path)
+    return counts
+
+
+def dense_and_features(script: str) -> list[str]:
+    """Markdown: the lines the dense path takes by part, then what each feature's module adds."""
+    rows = [
+        f"Copying `{script}.py` for dense training (FSDP2 or HSDP, an HF checkpoint in, checkpoints, the "
+        "export) takes the dense path; each feature's module adds its lines:",
+        "",
+        "| what you copy | core | operations | data |",
+        "|---|---|---|---|",
+        "| the dense path | " + " | ".join(map(str, counted(dense_path(script)).values())) + " |",
+    ]
+    for module, added in features(script).items():
+        rows.append(f"| + `{module}` | " + " | ".join(f"+{n}" for n in counted(added).values()) + " |")
+    return rows
 
 
 def tables() -> str:
@@ -104,15 +136,7 @@ def tables() -> str:
         rows.append(f"| `{script}.py` | {' | '.join(str(counts[k]) for k in counts)} |")
         for path in closure(f"scripts/{script}.py"):
             users.setdefault(path, []).append(script)
-    core = by_part("pretrain_fsdp")["core"]
-    added = {os.path.basename(path): lines(path) for path in ADDED_SINCE}
-    rows += [
-        "",
-        f"`pretrain_fsdp.py`'s core: {core - sum(added.values())} lines of the lesson, plus "
-        f"{sum(added.values())} of the features added since, each a module of its own: "
-        + ", ".join(f"`{name}` {n}" for name, n in added.items())
-        + ".",
-    ]
+    rows += ["", *dense_and_features("pretrain_fsdp")]
     rows += ["", "| module | part | lines | imported by |", "|---|---|---|---|"]
     for path in common_modules():
         who = ", ".join(users.get(path, [])) or "tests only"

@@ -18,10 +18,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 from common.checkpoint_layout import checkpoint_layout
 from common.config import ConfigError, DataConfig, ModelConfig
 from common.data.checks import check_vocab_size
+from common.load_weights import base_weights
 from common.model import load_model_config
 from common.ops.cli import checkpoint_tokenizer
 from common.quantized import dequantizing
-from common.weights import base_weights
 from launch import (
     REPO,
     anonymous_rises,

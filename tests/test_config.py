@@ -235,12 +235,17 @@ BAD_INPUTS = {
 }
 
 
-@pytest.mark.parametrize("checkpoint_interval", [5, 10, 20, 1])
-def test_the_best_model_takes_the_trainers_save_and_eval_steps(checkpoint_interval):
+def test_the_best_model_takes_the_trainers_save_and_eval_steps():
     """checkpoint.interval a multiple of eval.interval, as the Trainer asks of save_steps and eval_steps,
-    or a divisor of it (a checkpoint at every evaluation)."""
-    cfg = load_config(TINY, [*BEST_MODEL, "eval.interval=5", f"checkpoint.interval={checkpoint_interval}"])
-    assert (cfg.eval.interval, cfg.checkpoint.interval) == (5, checkpoint_interval)
+    or a divisor of it (a checkpoint at every evaluation); any other is refused."""
+    accepted = []
+    for interval in range(1, 21):
+        try:
+            load_config(TINY, [*BEST_MODEL, "eval.interval=5", f"checkpoint.interval={interval}"])
+            accepted.append(interval)
+        except ConfigError as error:
+            assert f"checkpoint.interval is {interval} and eval.interval is 5" in str(error)
+    assert accepted == [1, 5, 10, 15, 20]
 
 
 @pytest.mark.parametrize("size", ["5GB", "0.5GB", " 2 mb", "5 GB", "1TB", "5GiB", "5G", "5", "GB", "abc"])

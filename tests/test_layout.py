@@ -2,15 +2,30 @@
 product code, nothing done on import, and docs/layout.md's copy-along table true to the code."""
 
 import ast
+import json
 import os
 import re
 import subprocess
 import sys
 
-from copy_along import ADDED_SINCE, REPO, SCRIPTS, by_part, common_modules, imports, lines, part, tables
+import pytest
+from copy_along import (
+    REPO,
+    SCRIPTS,
+    common_modules,
+    counted,
+    dense_path,
+    features,
+    imports,
+    module_path,
+    part,
+    tables,
+)
 
-# The lesson's lines that copying pretrain_fsdp.py takes, features' own modules aside; the aim is 1,600.
-CORE_LIMIT = 1804
+from launch import pretrain, save_hf_llama
+
+CORE_LIMIT = 1600  # the core that copying pretrain_fsdp.py for dense training takes, at most
+DENSE_CORE_NOW = 2810  # features are leaving the dense path (issue 52): this only goes down, to CORE_LIMIT
 
 
 def test_docs_layout_holds_the_copy_along_tables_of_this_code():
@@ -22,12 +37,38 @@ def test_docs_layout_holds_the_copy_along_tables_of_this_code():
     )
 
 
-def test_copying_pretrain_takes_a_small_core_and_the_core_imports_nothing_else():
-    added = sum(lines(path) for path in ADDED_SINCE)
-    assert by_part("pretrain_fsdp")["core"] - added <= CORE_LIMIT
+def test_the_core_imports_no_operations_and_no_data():
     for path in common_modules():
         if part(path) == "core":
             assert {part(p) for p in imports(path)} <= {"core"}, path
+
+
+def test_the_dense_path_only_shrinks():
+    assert counted(dense_path("pretrain_fsdp"))["core"] <= DENSE_CORE_NOW
+
+
+@pytest.mark.xfail(
+    strict=True, reason="issue 52: quantized, experts, image-text and CP still in the dense path"
+)
+def test_copying_pretrain_for_dense_training_takes_at_most_core_limit_lines_of_core():
+    assert counted(dense_path("pretrain_fsdp"))["core"] <= CORE_LIMIT
+
+
+def test_a_dense_run_imports_the_dense_path_and_no_features_module(tmp_path):
+    """An HF checkpoint in, a checkpoint, the FULL export: the core modules the run really imports are the
+    copy-along table's dense path, and no feature's module (LoRA, TP) among them."""
+    source = save_hf_llama(tmp_path / "release", hidden_size=64, intermediate_size=128)
+    out = tmp_path / "imports.json"
+    overrides = [f"model.name_or_path={source}", "model.config={}", "train.steps=1", "checkpoint.interval=1"]
+    overrides.append("fsdp.state_dict_type=FULL_STATE_DICT")
+    pretrain(
+        tmp_path / "run", *overrides, nproc=1, extra_env={"IMPORTS_OUT": str(out)}, wrapper="with_imports.py"
+    )
+    with open(out) as f:
+        imported = {path for path in map(module_path, json.load(f)) if path and part(path) == "core"}
+    dense = {path for path in dense_path("pretrain_fsdp") if part(path) == "core"}
+    assert imported == dense
+    assert not imported & set(features("pretrain_fsdp")), imported & set(features("pretrain_fsdp"))
 
 
 def test_no_two_modules_of_common_import_each_other_directly_or_through_others():

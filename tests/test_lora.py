@@ -162,7 +162,7 @@ from common.architectures import init_buffers
 from common.model import build_meta_model, load_model_config
 from common.ops.cli import end_process
 from common.optim import build_optimizer
-from common.weights import load_or_init_weights
+from common.load_weights import load_or_init_weights
 from common.wrap import apply_fsdp
 dist.init_process_group("gloo")
 cfg = Config(model=ModelConfig(name_or_path=sys.argv[1]), lora=LoraConfig(r=4))

@@ -10,7 +10,7 @@ check passes, then another writer fills the disk but 64 KiB: common/export_check
 conversion into a directory named export), hang, nan (poisons the loss), grad (makes the step's gradients
 NaN while its loss stays finite), read (the resume's DCP read of checkpoint step-N fails with an I/O
 timeout, ETIMEDOUT, as a network filesystem's would), or rename (`rename@K`: inside the K-th filesystem
-operation of moving the export into place, common/weights.py:move_into_place: before a rename, or after the
+operation of moving the export into place, common/export.py:move_into_place: before a rename, or after the
 first file of a removal). Each fires once per run directory, so a job that restarts gets past it. The
 patches wrap the loop helper's after_step, gradient clipping, DCP's save calls, FileSystemReader.read_data,
 the export's writer and free-space check, and the export's move_into_place with the os.replace and
@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import export_check, optim, weights  # noqa: E402
+from common import export, export_check, optim  # noqa: E402
 from common.ops.stopping import StopRules  # noqa: E402
 from common.safetensors_writer import SafetensorsInPlace  # noqa: E402
 
@@ -151,7 +151,7 @@ def timed_out_read(read_data):
 
 
 def export_moved_into_place(move):
-    """weights.move_into_place for the export: counts the renames and removals it makes (below)."""
+    """export.move_into_place for the export: counts the renames and removals it makes (below)."""
 
     def wrapper(tmp: str, final: str) -> None:
         MOVING.update(dir=os.path.dirname(final), operations=0)
@@ -186,8 +186,8 @@ if __name__ == "__main__":
     dcp.FileSystemReader.read_data = timed_out_read(dcp.FileSystemReader.read_data)
     SafetensorsInPlace.write_regions = killed_mid_write(SafetensorsInPlace.write_regions)
     export_check.check_free_space = filled_after_the_check(export_check.check_free_space)
-    weights.move_into_place = export_moved_into_place(
-        weights.move_into_place
+    export.move_into_place = export_moved_into_place(
+        export.move_into_place
     )  # the export's, not a checkpoint's
     os.replace, shutil.rmtree = killed_inside(os.replace, False), killed_inside(shutil.rmtree, True)
     sys.argv = sys.argv[1:]  # the script to run, then its own arguments

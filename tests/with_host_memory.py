@@ -6,8 +6,8 @@ anonymous and file-mapped apart.
 VmHWM counts the pages of a memory-mapped safetensors file that a rank has touched, which are the page cache,
 shared by a node's ranks and dropped under pressure; anonymous memory is what runs a host out of memory. A
 thread polls /proc/self/status every millisecond (a busy loop slowed the timed work threefold on 2 cores)
-while common.weights.load_or_init_weights runs, while a resume's common.checkpoint.load_checkpoint runs, and
-while export_full runs (sampling once more as its writer starts, the export's peak, which a poll could
+while common.load_weights.load_or_init_weights runs, while a resume's common.checkpoint.load_checkpoint runs,
+and while export_full runs (sampling once more as its writer starts, the export's peak, which a poll could
 miss), and each rank writes {"before": {...}, "peak": {...}} (MiB of RssAnon, RssFile and RssShmem, and
 the kernel's high-water mark of the window as "Rss", which no poll can miss) to
 $HOST_MEMORY_OUT.load.rank<R>.json, .resume.rank<R>.json and .export.rank<R>.json. From the load's (or the
@@ -40,8 +40,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import checkpoint, lora, safetensors_writer, weights  # noqa: E402
+from common import checkpoint, export, load_weights, lora, safetensors_writer  # noqa: E402
 from common.checkpoint_layout import Layout  # noqa: E402
+from common.model import has_adapters  # noqa: E402
 
 FIELDS = ("RssAnon", "RssFile", "RssShmem")  # pinned host memory (CUDA) shows as RssShmem
 SAMPLERS = []  # the open measurement's sample(), for the hook below
@@ -133,7 +134,7 @@ def writing(self, *args, _original=safetensors_writer.SafetensorsInPlace.write_r
     return _original(self, *args, **kwargs)
 
 
-def load(*args, _original=weights.load_or_init_weights, **kwargs):
+def load(*args, _original=load_weights.load_or_init_weights, **kwargs):
     measure("load", _original, *args, **kwargs)
     TRAINING.open()
 
@@ -152,26 +153,26 @@ def export_on_rank0(model, out_dir: str, tokenizer, dtype, cfg) -> None:
     if dist.get_rank() == 0:
         tmp = f"{out_dir}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        if lora.has_adapters(model):
+        if has_adapters(model):
             state = lora.merged(state, cfg.lora)
         state = {k: v.to(dtype) for k, v in state.items()}
         model.save_pretrained(tmp, state_dict=state, max_shard_size=cfg.checkpoint.max_shard_size)
-        weights.save_model_config(model, tmp, tokenizer, dtype)
-        weights.finish_export(tmp, out_dir)
+        export.save_model_config(model, tmp, tokenizer, dtype)
+        export.finish_export(tmp, out_dir)
     dist.barrier()
 
 
-def export(model, out_dir, *args, _original=export_on_rank0 if BEFORE else weights.export_full):
+def measured_export(model, out_dir, *args, _original=export_on_rank0 if BEFORE else export.export_full):
     TRAINING.close()
     measure("export", _original, model, out_dir, *args)
     if os.environ.get("EXPORT_ON_RANK0_TOO"):
         measure("export_on_rank0", export_on_rank0, model, os.environ["EXPORT_ON_RANK0_TOO"], *args)
 
 
-weights.load_or_init_weights, weights.export_full = load, export
+load_weights.load_or_init_weights, export.export_full = load, measured_export
 checkpoint.load_checkpoint = resume  # the scripts import it from common.checkpoint as they start
 safetensors_writer.SafetensorsInPlace.write_regions = writing
 if BEFORE:
-    weights.checkpoint_layout = lambda model, path, ours: Layout([], {}, {}, {}, "WEIGHTS_IO=rank0")
+    load_weights.checkpoint_layout = lambda model, path, ours: Layout([], {}, {}, {}, "WEIGHTS_IO=rank0")
 script, sys.argv = sys.argv[1], sys.argv[1:]
 runpy.run_path(script, run_name="__main__")

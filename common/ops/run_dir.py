@@ -59,7 +59,7 @@ def clear_leftovers(run_dir: str) -> None:
 
 
 def recover_moved(final: str) -> list[str]:
-    """What a kill inside common/weights.py:move_into_place leaves of `final`, and what this did about it.
+    """What a kill inside common/export.py:move_into_place leaves of `final`, and what this did about it.
     `final.old` is a complete previous `final`: put back if `final` is gone, else removed. `final.tmp` was
     never in place (a kill before or during its writing, or before its rename): removed, as the run that
     left it writes it again."""

@@ -1,33 +1,28 @@
-"""Weights in Hugging Face's formats: a new run's weights (an HF checkpoint, a SHARDED export, or a fresh
-init) and the final export. Written under `<name>.tmp` and renamed once complete, like the checkpoints."""
+"""The final export in Hugging Face's formats (FULL: save_pretrained's files, each rank writing its share;
+SHARDED: DCP; LoRA: PEFT's adapter directory), written under `<name>.tmp` and renamed once complete, like the
+checkpoints."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from huggingface_hub.serialization import StateDictSplit, split_state_dict_into_shards_factory
 from torch import nn
-from torch.distributed.checkpoint import HuggingFaceStorageReader
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers.core_model_loading import build_glob_alternation, revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-from common import experts, export_check, image_text, joined_weights, lora, manifest, quantized
-from common.architectures import auto_class
-from common.checkpoint_layout import INDEX, checkpoint_layout, files_alone, keep_release_names
+from common import experts, export_check, image_text, joined_weights, manifest
+from common.checkpoint_layout import INDEX, keep_release_names
 from common.config import Config, resolve_mixed_precision
 from common.export_one_writer import write_each_file_from_one_rank
-from common.model import init_weights
+from common.load_weights import base_weights, is_sharded_export
+from common.model import base_state, has_adapters
 from common.safetensors_writer import SafetensorsInPlace, safetensors_layout
 
 
@@ -54,68 +49,6 @@ def move_into_place(tmp: str, final: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def load_hf_weights(
-    model: nn.Module, path: str, broadcast_from_rank0: bool, trust_remote_code: bool = False
-) -> None:
-    """Fill a sharded model from an HF checkpoint: each rank reads only its own shards' bytes, in place (DCP's
-    HF reader), so it holds its share plus one tensor; of fused experts, its own (common/experts.py); FP8
-    blocks times their scales, and MXFP4 experts (common/quantized.py). With LoRA, the base (PEFT names)."""
-    ours = base_weights(model)
-    layout = checkpoint_layout(model, path, ours)
-    if layout.why_not:
-        if dist.get_rank() == 0:
-            print(f"{path}: {layout.why_not}; loading it whole through from_pretrained", file=sys.stderr)
-        load_converted(model, path, broadcast_from_rank0, trust_remote_code)
-        return
-    # A tied weight's second name and the buffers missing from the files (which keep the values their
-    # construction gave them, common/architectures.py, as from_pretrained's do) are left out.
-    wanted = {layout.names[name]: tensor for name, tensor in ours.items() if name in layout.names}
-    with files_alone(path, layout.files) as directory:
-        reader = HuggingFaceStorageReader(directory, thread_count=4)  # files read at once per rank
-        dcp.load(wanted, storage_reader=reader)  # in place, into the model's own tensors
-    experts.load_own_experts(model, ours, layout.fused, quantized.expert_dequantizer(layout.expert_scales))
-    quantized.dequantize_own_blocks(ours, layout.scales)
-    quantized.dequantize_own_mxfp4(ours, layout.mxfp4)
-    # The export's names: the renames loading used (checkpoint_layout.keep_release_names).
-    model._weight_conversions = layout.conversions
-
-
-def base_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict (its own tensors, local shards) under the base's names, adapters left out."""
-    return lora.base_state(get_model_state_dict(model))
-
-
-def load_converted(model: nn.Module, path: str, broadcast_from_rank0: bool, trust_remote_code: bool) -> None:
-    """The whole checkpoint through from_pretrained, which applies the model's key renames and weight
-    conversions: on rank 0, then broadcast, with broadcast_from_rank0; else on every rank."""
-    full = {}
-    if dist.get_rank() == 0 or not broadcast_from_rank0:
-        kwargs = dict(trust_remote_code=trust_remote_code, **quantized.dequantizing(path))
-        full = auto_class(model.config).from_pretrained(path, dtype=torch.float32, **kwargs).state_dict()
-        ours = {lora.base_name(name): name for name in get_model_state_dict(model)}
-        full = {ours.get(name, name): tensor for name, tensor in full.items()}
-    adapters = lora.has_adapters(model)
-    options = StateDictOptions(
-        full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0, strict=not adapters
-    )
-    set_model_state_dict(model, full, options=options)
-
-
-def load_or_init_weights(model: nn.Module, cfg: Config) -> None:
-    """A new run's weights: a SHARDED export, an HF checkpoint, or a world-size-independent init; then,
-    with LoRA, the adapters' initialisation."""
-    source = cfg.model.name_or_path
-    if source and is_sharded_export(source):
-        load_sharded_export(model, source)
-    elif source:
-        load_hf_weights(model, source, cfg.fsdp.cpu_ram_efficient_loading, cfg.model.trust_remote_code)
-    else:
-        # OPT's, RWKV's and others' configs have no initializer_range: Transformers' own default then
-        init_weights(model, cfg.train.seed, getattr(model.config, "initializer_range", 0.02))
-    if lora.has_adapters(model):
-        lora.init_adapters(model, cfg.train.seed)
-
-
 def export_final(model: nn.Module, cfg: Config, tokenizer, device_type: str) -> str:
     """`<checkpoint.dir>/export`, per fsdp.state_dict_type; returns the path."""
     export_dir = os.path.join(cfg.checkpoint.dir, "export")
@@ -124,7 +57,7 @@ def export_final(model: nn.Module, cfg: Config, tokenizer, device_type: str) -> 
     special = getattr(tokenizer, "tokenizer", tokenizer)  # image-text records' processor: its tokenizer's ids
     prepare_for_generation(model, special, from_scratch=not cfg.model.name_or_path)
     dtype = export_dtype(cfg, device_type)
-    adapters = lora.has_adapters(model)
+    adapters = has_adapters(model)
     if adapters and not cfg.lora.merge_on_export:  # small: gathered to rank 0 whatever state_dict_type says
         export_adapters(model, cfg, export_dir, tokenizer)
     elif adapters or cfg.fsdp.state_dict_type == "FULL_STATE_DICT":  # with LoRA: the merged model
@@ -160,8 +93,13 @@ def export_full(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype, c
     each rank writing its own experts."""
     state = get_model_state_dict(model)
     # With LoRA: the merged weights, under the base model's names, still sharded
-    state = lora.merged(state, cfg.lora) if lora.has_adapters(model) else lora.base_state(state)
-    whole, state = saved_state(model, state, dtype)
+    if has_adapters(model):
+        from common import lora  # LoRA's module, where lora.r asks for it
+
+        state = lora.merged(state, cfg.lora)
+    else:
+        state = base_state(state)
+    whole, state = tensors_to_write(model, state, dtype)
     split = save_pretrained_split(whole, cfg.checkpoint.max_shard_size)
     files = split.filename_to_tensors  # one file: model.safetensors
     tmp, (headers, offsets) = f"{out_dir}.tmp", safetensors_layout(whole, files)
@@ -193,14 +131,14 @@ def export_full(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype, c
     dist.barrier()
 
 
-def saved_state(model: nn.Module, state: dict, dtype: torch.dtype) -> tuple[dict, dict]:
+def tensors_to_write(model: nn.Module, state: dict, dtype: torch.dtype) -> tuple[dict, dict]:
     """What save_pretrained writes for `state` (ours, the base model's names, sharded), cast to `dtype`:
-    {key: a meta tensor of the whole weight} (saved_sources), and {key: this rank's tensor to write}: its
-    shard of a weight, or the whole tensors of the experts its shard of a fused expert weight holds, split
-    back by Transformers' converter."""
+    {key: a meta tensor of the whole weight} (save_pretrained_keys), and {key: this rank's tensor to
+    write}: its shard of a weight, or the whole tensors of the experts its shard of a fused expert weight
+    holds, split back by Transformers' converter."""
     dtypes = {name: saved_dtype(model, name, t, dtype) for name, t in state.items()}
     meta = {name: torch.empty(t.shape, dtype=dtypes[name], device="meta") for name, t in state.items()}
-    whole, keys_of = saved_sources(model, meta)
+    whole, keys_of = save_pretrained_keys(model, meta)
     joined = joined_weights.joined_keys(keys_of)  # several weights in one key: Sarvam's query_key_value
     mine = joined_weights.own_joined(model, state, joined, dtypes)
     for name, keys in keys_of.items():
@@ -224,7 +162,7 @@ def saved_dtype(model: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.
     return torch.float32 if kept and build_glob_alternation(sorted(kept))[0].search(name) else dtype
 
 
-def saved_sources(model: nn.Module, meta: dict) -> tuple[dict, dict]:
+def save_pretrained_keys(model: nn.Module, meta: dict) -> tuple[dict, dict]:
     """What save_pretrained writes for `meta` (our names: meta tensors of whole weights): {key: its meta
     tensor}, in its order (tied weights' second names left out, Transformers' renames and conversions
     reverted; the experts split back from a fused weight are views of it, as save_pretrained's are), and
@@ -270,9 +208,11 @@ def export_adapters(model: nn.Module, cfg: Config, out_dir: str, tokenizer) -> N
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         excluded = model.peft_config["default"].exclude_modules  # PEFT's record of add_adapters' call
+        from common import lora  # LoRA's module, where lora.r asks for it
+
         lora.write_adapters(full, cfg.lora, cfg.model.name_or_path, tmp, excluded)
         save_config(tmp, model.generation_config, tokenizer)
-        plain_modes(tmp)
+        set_plain_file_modes(tmp)
         finish_export(tmp, out_dir)
     dist.barrier()
 
@@ -282,10 +222,10 @@ def save_model_config(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dt
     model.config.dtype = dtype
     model.generation_config.save_pretrained(out_dir)
     save_config(out_dir, model.config, tokenizer)
-    plain_modes(out_dir)
+    set_plain_file_modes(out_dir)
 
 
-def plain_modes(out_dir: str) -> None:
+def set_plain_file_modes(out_dir: str) -> None:
     """safetensors arrive 0600, the rest 0644: give all the mode a plain open() would."""
     umask = os.umask(0)
     os.umask(umask)
@@ -303,12 +243,3 @@ def export_sharded(model: nn.Module, out_dir: str, tokenizer) -> None:
         save_config(tmp, model.config, tokenizer)
         finish_export(tmp, out_dir)
     dist.barrier()
-
-
-def is_sharded_export(path: str) -> bool:
-    return os.path.exists(os.path.join(path, ".metadata"))
-
-
-def load_sharded_export(model: nn.Module, path: str) -> None:
-    """The model's weights from a DCP directory (a SHARDED export); with LoRA adapters, the base's."""
-    dcp.load({"model": base_weights(model)}, checkpoint_id=path)  # in place, into the model's own tensors

@@ -155,7 +155,9 @@ def main() -> None:
         )
         path = os.path.join(run_dir, "checkpoints", f"step-{repeat + 1}")
         own = [n for n in os.listdir(path) if n.startswith(f"__{d.rank}_")]
-        checksum_seconds.append(timed(lambda: manifest.describe(path, own)))  # as complete_save does, again
+        checksum_seconds.append(
+            timed(lambda: manifest.file_entries(path, own))
+        )  # as complete_save does, again
         results["load"].append(timed(lambda: load_checkpoint(path, model, optimizer, scheduler)))
         share = ckpt_bytes // d.world_size
         results["raw write"].append(

@@ -68,7 +68,7 @@ def export_consolidated(model, out_dir: str, cfg: Config) -> None:
     consolidate_safetensors_files_on_every_rank(parts, tmp, file_of, num_threads=4)
     own = [file for i, file in enumerate(order, 1) if i % dist.get_world_size() == dist.get_rank()]
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, manifest.describe(tmp, own))
+    dist.all_gather_object(every, manifest.file_entries(tmp, own))
     if dist.get_rank() == 0:
         shutil.rmtree(parts)
         os.remove(f"{tmp}/model.safetensors.index.json")  # torch's, in place of save_pretrained's
@@ -100,7 +100,7 @@ def write_once(model, out_dir: str, max_shard_size: str) -> float:
             save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
             own.append(file)
     every = [None] * world
-    dist.all_gather_object(every, manifest.describe(tmp, own))
+    dist.all_gather_object(every, manifest.file_entries(tmp, own))
     if rank == 0 and split.is_sharded:
         export.write_index(model, tmp, split)
     dist.barrier()

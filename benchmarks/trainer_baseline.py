@@ -72,7 +72,7 @@ from transformers import (
 
 from common.config import DataConfig, TrainConfig
 from common.data.train_batches import build_batches
-from common.mesh import gather
+from common.mesh import gather_objects
 from common.ops.cli import end_process
 from common.ops.metrics import peak_memory_bytes, reset_peak_memory
 
@@ -271,7 +271,10 @@ def main() -> None:
     timed = len(probe.times) - a.timing_warmup
     elapsed = probe.times[-1] - probe.times[a.timing_warmup - 1]
     tokens_per_step = a.global_batch_size * a.seq_len  # packed rows: every target counts
-    peaks, load_peaks = gather(round(peak_memory_bytes(CPU) / GIB, 4)), gather(round(probe.load_peak, 4))
+    peaks, load_peaks = (
+        gather_objects(round(peak_memory_bytes(CPU) / GIB, 4)),
+        gather_objects(round(probe.load_peak, 4)),
+    )
     if args.process_index == 0:
         result = {
             "mode": "best" if a.best else "default",

@@ -96,7 +96,7 @@ def trainer_run(release: str, out: str, steps: int, micro: int) -> None:
     from common import image_text
     from common.config import FsdpConfig
     from common.data.image_records import shape_records
-    from common.mesh import gather
+    from common.mesh import gather_objects
     from common.ops.metrics import peak_memory_bytes
     from common.wrap import resolve_layer_classes
 
@@ -125,7 +125,7 @@ def trainer_run(release: str, out: str, steps: int, micro: int) -> None:
     )
     trainer.train()
     times = [t1 - t0 for t0, t1 in zip(probe.times, probe.times[1:])][WARMUP_STEPS - 1 :]
-    peaks = gather(round(peak_memory_bytes(CPU) / GIB, 4))
+    peaks = gather_objects(round(peak_memory_bytes(CPU) / GIB, 4))
     if args.process_index == 0:
         with open(out, "w") as f:
             json.dump({"step_time_s": statistics.median(times), "peak_rss_gib": max(peaks), **probe.fsdp}, f)

@@ -1,16 +1,9 @@
-"""What differs between the decoder architectures Transformers ships, found from the model itself, not from
-lists of names: which models the recipes train, which attention each can use, the buffers its construction
-computes, and whether it transforms its output layer's result (docs/features.md, "Which models")."""
+"""What differs between the decoder architectures Transformers ships, found from the config and the class
+Transformers maps it to, not from lists of names: which models the recipes train, which class builds each,
+and which attention each can use (docs/features.md, "Which models")."""
 
 from __future__ import annotations
 
-import copy
-
-import torch
-from accelerate import init_empty_weights
-from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 from transformers.models.auto import modeling_auto as auto
 
@@ -85,60 +78,3 @@ def model_class(hf_config: PretrainedConfig) -> type | None:
     image_text = is_image_text(hf_config)
     mapping = auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING if image_text else auto.MODEL_FOR_CAUSAL_LM_MAPPING
     return mapping.get(type(hf_config), None)
-
-
-@torch.no_grad()
-def init_buffers(model: nn.Module, device: torch.device) -> None:
-    """Every buffer as the model's own construction computes it, which `to_empty` left uninitialised: RoPE
-    frequencies under any name, embedding scales (Gemma), masks. A list of names misses some, so the model is
-    built once more with its parameters on `meta` and its buffers real, and each buffer is copied across by
-    name. A loaded checkpoint then overwrites the persistent ones."""
-    if any(isinstance(buffer, FakeTensor) for buffer in model.buffers()):
-        return  # the planner's fake tensors hold no values (and torch 2.11's reject Accelerate's meta init)
-    config = copy.deepcopy(model.config)
-    with init_empty_weights(include_buffers=False):  # Accelerate's: parameters on meta, buffers computed
-        fresh = dict(type(model)._from_config(config, dtype=torch.float32).named_buffers())
-    for name, buffer in model.named_buffers():
-        name = name.replace(_CHECKPOINT_PREFIX, "").replace("_orig_mod.", "")  # AC's and compile's wrappers
-        buffer.copy_(fresh[name].to(buffer.dtype))
-
-
-class _HiddenStates(dict):
-    """A decoder's output holding only its last hidden state: any other field is None, by attribute or by
-    index, and `**output` (image-text models re-wrap their language model's output) gives the one field."""
-
-    def __init__(self, hidden: torch.Tensor):
-        super().__init__(last_hidden_state=hidden)
-
-    def __getattr__(self, name: str) -> torch.Tensor | None:
-        return self.get(name)
-
-    def __getitem__(self, key: int | str) -> torch.Tensor | None:
-        return self.get("last_hidden_state" if key == 0 else key)
-
-
-@torch.no_grad()
-def returns_head_output(model: nn.Module) -> bool:
-    """Whether the model's forward returns its output layer's result as it is, found by running that forward
-    on `meta` with the decoder and the head stubbed out (no kernels, no collectives, milliseconds): a model
-    that scales or soft-caps its logits (Gemma 2/3, Cohere, Granite, ...) returns a new tensor. No list of
-    config names keeps up with Transformers' models; none in Transformers 5.24 changes them in place."""
-    head, decoder = model.get_output_embeddings(), model.get_decoder()
-    hidden = torch.zeros(1, 2, head.weight.shape[1], device="meta")
-    result = torch.zeros(1, 2, head.weight.shape[0], device="meta")
-    own = {
-        module: module.__dict__.get("forward") for module in (decoder, head)
-    }  # a forward set on the instance
-    decoder.forward = lambda *args, **kwargs: _HiddenStates(hidden)
-    head.forward = lambda hidden: result
-    try:
-        return model(input_ids=torch.zeros(1, 2, dtype=torch.long, device="meta")).logits is result
-    except RuntimeError:  # a forward that reads values on meta (ModernBERT-decoder's .item())
-        return (
-            True  # unknown here: the start-up loss check decides on real tensors (common/ops/loss_check.py)
-        )
-    finally:
-        for module, forward in own.items():
-            del module.forward
-            if forward is not None:
-                module.forward = forward

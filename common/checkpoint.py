@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 from common import manifest
 from common.config import ConfigError
 from common.export import move_into_place, save_config
-from common.mesh import gather
+from common.mesh import gather_objects
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 # What a checkpoint holds of the model: every weight that trains. A frozen base (LoRA) comes back from
@@ -53,7 +53,7 @@ def saved_steps(root: str) -> list[int]:
     return sorted(int(m[1]) for m in map(STEP_DIR.match, names) if m)
 
 
-def rng_key(saved: dict | None = None) -> str:
+def own_rng_key(saved: dict | None = None) -> str:
     """This rank's RNG entry. DCP keeps one copy of a plain tensor that every rank saves under one key
     (docs/checkpoints.md), so each rank saves its own. Resumed on more ranks, a rank the checkpoint has no
     entry for takes rank 0's."""
@@ -61,7 +61,9 @@ def rng_key(saved: dict | None = None) -> str:
     return own if saved is None or f"rng.{own}.cpu" in saved else "rank0"
 
 
-def tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer, key: str) -> tuple[dict, list]:
+def model_and_optimizer_tensors(
+    model: nn.Module, optimizer: torch.optim.Optimizer, key: str
+) -> tuple[dict, list]:
     """Tensors only: DCP unpickles any non-tensor value on load. param_groups come from the config."""
     optim = get_optimizer_state_dict(model, optimizer)  # allocates the state of a fresh optimizer
     rng = {"cpu": torch.get_rng_state()}
@@ -86,7 +88,7 @@ def train_state(step: int, samples: int, loss: float, scheduler, data, **more) -
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "loss": loss,
         "scheduler": scheduler.state_dict(),
-        "data": gather(data.state_dict()),
+        "data": gather_objects(data.state_dict()),
     }
 
 
@@ -114,7 +116,7 @@ def save_checkpoint(
     """Write step-N.tmp with DCP (each rank its shards), then rank 0 completes and renames it; returns the
     path. A write that fails on any rank raises CheckpointNotWritten on every rank."""
     final = begin_save(run_dir, step)
-    state, _ = tensor_state(model, optimizer, rng_key())
+    state, _ = model_and_optimizer_tensors(model, optimizer, own_rng_key())
     # DCP's extra writer threads hand an exception only to threading.excepthook, which prints it, and the
     # save then completes without their files: collect those exceptions instead.
     errors, excepthook = [], threading.excepthook
@@ -137,7 +139,7 @@ def complete_save(
     error = _first_on_any_rank(_os_error(errors, root))
     own = [n for n in os.listdir(tmp) if n.startswith(f"__{dist.get_rank()}_")] if error is None else []
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, manifest.describe(tmp, own))
+    dist.all_gather_object(every, manifest.file_entries(tmp, own))
     if error is None and dist.get_rank() == 0:
         try:
             known = {name: entry for entries in every for name, entry in entries.items()}
@@ -221,8 +223,8 @@ def load_checkpoint(
                 f"checkpoint {path} holds a different model ({name} is {there} there, {here} here); "
                 f"use a new checkpoint.dir for this model, or checkpoint.resume=none"
             )
-    key = rng_key(saved)
-    state, param_groups = tensor_state(model, optimizer, key)
+    key = own_rng_key(saved)
+    state, param_groups = model_and_optimizer_tensors(model, optimizer, key)
     # A parameter with no gradient yet (DeepSeek-V4's compressor on short rows) has no AdamW state: nor here.
     had = {name.split(".", 1)[1].rsplit(".", 1)[0] for name in saved if name.startswith("optim.")}
     state["optim"] = {name: value for name, value in state["optim"].items() if name in had}

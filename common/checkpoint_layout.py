@@ -24,7 +24,6 @@ from transformers.core_model_loading import (
     rename_source_key,
 )
 
-from common import experts
 from common.architectures import is_image_text
 from common.config import ConfigError
 from common.model import base_name
@@ -89,10 +88,12 @@ def checkpoint_layout(model: nn.Module, path: str, ours: dict) -> Layout:
         name, pattern = rename_source_key(key, renamings, converters)
         if pattern is None:
             layout.names[name] = key
-        elif not experts.stacks_experts(by_pattern[pattern]):
-            layout.why_not = f"Transformers converts {key!r} as it loads"
-            return layout
-        else:
+        else:  # Transformers converts it as it loads: per-expert tensors it fuses are read per rank
+            from common.experts import stacks_experts
+
+            if not stacks_experts(by_pattern[pattern]):
+                layout.why_not = f"Transformers converts {key!r} as it loads"
+                return layout
             _, sources = layout.fused.setdefault(name, (by_pattern[pattern], {}))
             sources.setdefault(pattern, []).append((key, located[key][0]))
     fp8 = {key: scale_keys.pop(key) for key in list(scale_keys) if located[key][1] == "F8_E4M3"}

@@ -18,6 +18,7 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, PretrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from common import architectures
 from common.config import ConfigError
 
 ATTENTION = "cp_allgather"
@@ -27,10 +28,10 @@ QUERY_BLOCK = 1024
 
 
 class CpState:
-    """This rank's share of every sequence, from setup(). The model's attention reads it from the forward
-    keyword `cp` (Transformers passes extra keywords down to the attention function). A plain class, not a
-    dataclass: FSDP's mixed precision casts the floating tensors inside a dataclass forward argument, and
-    the causal biases must stay as they are."""
+    """This rank's share of every sequence, from build_cp_state(). The model's attention reads it from the
+    forward keyword `cp` (Transformers passes extra keywords down to the attention function). A plain class,
+    not a dataclass: FSDP's mixed precision casts the floating tensors inside a dataclass forward argument,
+    and the causal biases must stay as they are."""
 
     def __init__(
         self, mesh: DeviceMesh, positions: torch.Tensor, query_blocks: list, key_order, documents=False
@@ -59,9 +60,18 @@ class CpState:
         return dict(input_ids=self.shard(input_ids), position_ids=self.shard(position_ids), cp=documents)
 
 
-def use_cp_attention(torch_cp: bool = False) -> str:
+def use_cp_attention(hf_config: PretrainedConfig, torch_cp: bool = False) -> str:
     """Register the CP attention functions with Transformers (before the model is built: it checks its
-    attn_implementation) and return the name to use: the all-gather one, or torch's ring attention's."""
+    attn_implementation) and return the name to use: the all-gather one, or torch's ring attention's. Both
+    compute with SDPA, so a model that does not support sdpa is refused (remote code is not checked)."""
+    model_class = architectures.model_class(hf_config)
+    if model_class is not None and not model_class._supports_sdpa:
+        supported = architectures.supported_attention(model_class)
+        raise ConfigError(
+            f"parallelism.cp_size > 1 needs attention that SDPA computes, and {model_class.__name__} does "
+            f"not support sdpa (only {', '.join(supported)}, e.g. for soft-capped attention scores); set "
+            f"parallelism.cp_size=1"
+        )
     AttentionInterface.register(ATTENTION, allgather_kv_attention)
     AttentionInterface.register(TORCH_ATTENTION, torch_cp_attention)
     return TORCH_ATTENTION if torch_cp else ATTENTION
@@ -141,7 +151,7 @@ def check_cp(
         )
 
 
-def setup(seq_len: int, cp_size: int, load_balance: bool, device: torch.device) -> CpState:
+def build_cp_state(seq_len: int, cp_size: int, load_balance: bool, device: torch.device) -> CpState:
     """This rank's layout. The (dp, cp) mesh keeps a data-parallel rank's cp ranks adjacent, so
     build_dp_mesh(dp_shard x cp) over the same ranks shards over dp x cp."""
     mesh = init_device_mesh(

@@ -9,13 +9,16 @@ import contextlib
 import math
 from collections.abc import Iterator
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor.experimental import context_parallel
 
-from common.cp import CpState
 from common.loss import token_loss_sum
+
+if TYPE_CHECKING:
+    from common.cp import CpState
 
 
 @torch.no_grad()

@@ -17,20 +17,34 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers.core_model_loading import build_glob_alternation, revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-from common import experts, export_check, image_text, joined_weights, manifest
+from common import export_check, manifest
 from common.checkpoint_layout import INDEX, keep_release_names
 from common.config import Config, resolve_mixed_precision
-from common.export_one_writer import write_each_file_from_one_rank
 from common.load_weights import base_weights, is_sharded_export
 from common.model import base_state, has_adapters
 from common.safetensors_writer import SafetensorsInPlace, safetensors_layout
+
+# What a processor needs beside the tokenizer, as AutoProcessor.save_pretrained writes it.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+PROCESSOR_FILES += ("chat_template.json", "chat_template.jinja")
 
 
 def save_config(out_dir: str, model_config, tokenizer) -> None:
     model_config.save_pretrained(out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
-    image_text.copy_processor_files(getattr(model_config, "name_or_path", None), out_dir)
+    copy_processor_files(getattr(model_config, "name_or_path", None), out_dir)
+
+
+def copy_processor_files(source: str | None, out_dir: str) -> None:
+    """The release's processor files (image sizes, the chat template) into the export beside the
+    tokenizer's, so that AutoProcessor loads the export as it loaded the release. What the tokenizer wrote
+    (its own chat template, from data.tokenizer) is kept."""
+    if not source or not os.path.isdir(source):
+        return
+    for name in PROCESSOR_FILES:
+        if os.path.isfile(os.path.join(source, name)) and not os.path.exists(os.path.join(out_dir, name)):
+            shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))
 
 
 def finish_export(tmp: str, out_dir: str, known: dict | None = None) -> None:
@@ -45,7 +59,7 @@ def move_into_place(tmp: str, final: str) -> None:
     if os.path.exists(final):
         os.replace(final, old)
     os.replace(tmp, final)
-    manifest.sync(os.path.dirname(os.path.abspath(final)))
+    manifest.fsync_path(os.path.dirname(os.path.abspath(final)))
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -96,7 +110,7 @@ def export_full(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype, c
     if has_adapters(model):
         from common import lora  # LoRA's module, where lora.r asks for it
 
-        state = lora.merged(state, cfg.lora)
+        state = lora.merged_weights(state, cfg.lora)
     else:
         state = base_state(state)
     whole, state = tensors_to_write(model, state, dtype)
@@ -115,6 +129,8 @@ def export_full(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype, c
     writer = SafetensorsInPlace(tmp, offsets)
     with export_check.full_disk_is_one_line(tmp, needed):
         if cfg.checkpoint.export_writers == "one":  # object-store mounts: one writer per file
+            from common.export_one_writer import write_each_file_from_one_rank
+
             write_each_file_from_one_rank(writer, state, whole, files)
         else:
             dcp.save(state, storage_writer=writer)
@@ -122,7 +138,7 @@ def export_full(model: nn.Module, out_dir: str, tokenizer, dtype: torch.dtype, c
     del state
     own = [file for i, file in enumerate(sorted(files), 1) if i % dist.get_world_size() == dist.get_rank()]
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, manifest.describe(tmp, own))  # each rank checksums a share of the files
+    dist.all_gather_object(every, manifest.file_entries(tmp, own))  # each rank checksums a share of the files
     if dist.get_rank() == 0:
         if split.is_sharded:
             write_index(model, tmp, split)
@@ -139,14 +155,29 @@ def tensors_to_write(model: nn.Module, state: dict, dtype: torch.dtype) -> tuple
     dtypes = {name: saved_dtype(model, name, t, dtype) for name, t in state.items()}
     meta = {name: torch.empty(t.shape, dtype=dtypes[name], device="meta") for name, t in state.items()}
     whole, keys_of = save_pretrained_keys(model, meta)
-    joined = joined_weights.joined_keys(keys_of)  # several weights in one key: Sarvam's query_key_value
-    mine = joined_weights.own_joined(model, state, joined, dtypes)
+    joined = joined_keys(keys_of)  # several weights in one key: Sarvam's query_key_value
+    mine = {}
+    if joined:
+        from common.joined_weights import own_joined
+
+        mine = own_joined(model, state, joined, dtypes)
     for name, keys in keys_of.items():
         if whole[keys[0]] is meta[name]:  # as it is: this rank's shard
             mine[keys[0]] = state[name].to(dtypes[name])
         elif keys[0] not in joined:  # a fused expert weight: experts 0..E-1 of each source
-            mine |= experts.own_experts(model, name, state[name], keys, dtypes[name])
+            from common.experts import own_experts  # MoE releases alone
+
+            mine |= own_experts(model, name, state[name], keys, dtypes[name])
     return whole, mine
+
+
+def joined_keys(keys_of: dict[str, list[str]]) -> dict[str, list[str]]:
+    """{key: our names saved in it} for each key that several of our weights are saved in."""
+    names: dict[str, list[str]] = {}
+    for name, keys in keys_of.items():
+        if len(keys) == 1:
+            names.setdefault(keys[0], []).append(name)
+    return {key: together for key, together in names.items() if len(together) > 1}
 
 
 def saved_dtype(model: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.dtype:

@@ -5,9 +5,6 @@ data only the language model is trained; the vision side is frozen by default (d
 
 from __future__ import annotations
 
-import os
-import shutil
-
 from torch import nn
 
 from common.config import ConfigError, ModelConfig
@@ -15,9 +12,6 @@ from common.config import ConfigError, ModelConfig
 # Transformers' names for the module that maps image features into the language model's embeddings
 # (LLaMA-Factory's projector keys): Gemma 3, Llama 4, Mistral 3; Qwen-VL's visual.merger; Gemma 4.
 PROJECTORS = ("multi_modal_projector", "merger", "embed_vision")
-# What a processor needs beside the tokenizer, as AutoProcessor.save_pretrained writes it.
-PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
-PROCESSOR_FILES += ("chat_template.json", "chat_template.jinja")
 
 
 def vision_parameters(model: nn.Module) -> tuple[list[str], list[str]]:
@@ -49,14 +43,3 @@ def freeze_vision(model: nn.Module, cfg: ModelConfig, image_text: bool) -> None:
     frozen += projector if cfg.freeze_multi_modal_projector else []
     for name in frozen:
         model.get_parameter(name).requires_grad_(False)
-
-
-def copy_processor_files(source: str | None, out_dir: str) -> None:
-    """The release's processor files (image sizes, the chat template) into the export beside the
-    tokenizer's, so that AutoProcessor loads the export as it loaded the release. What the tokenizer wrote
-    (its own chat template, from data.tokenizer) is kept."""
-    if not source or not os.path.isdir(source):
-        return
-    for name in PROCESSOR_FILES:
-        if os.path.isfile(os.path.join(source, name)) and not os.path.exists(os.path.join(out_dir, name)):
-            shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))

@@ -10,15 +10,6 @@ from torch.distributed.tensor import DTensor
 from transformers.core_model_loading import revert_weight_conversion
 
 
-def joined_keys(keys_of: dict[str, list[str]]) -> dict[str, list[str]]:
-    """{key: our names saved in it} for each key that several of our weights are saved in."""
-    names: dict[str, list[str]] = {}
-    for name, keys in keys_of.items():
-        if len(keys) == 1:
-            names.setdefault(keys[0], []).append(name)
-    return {key: together for key, together in names.items() if len(together) > 1}
-
-
 def own_joined(model: nn.Module, state: dict, joined: dict[str, list[str]], dtypes: dict) -> dict:
     """{key: the joined tensor} of the keys this rank writes: every world-size-th key, so each rank holds
     about 1/world of the joined tensors, whole, until the export is written. Every rank gathers each weight:

@@ -17,9 +17,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from common import experts, quantized
 from common.architectures import auto_class
-from common.checkpoint_layout import checkpoint_layout, files_alone
+from common.checkpoint_layout import Layout, checkpoint_layout, files_alone
 from common.config import Config
 from common.model import base_name, base_state, has_adapters, init_weights
 
@@ -69,11 +68,20 @@ def load_hf_weights(
     with files_alone(path, layout.files) as directory:
         reader = HuggingFaceStorageReader(directory, thread_count=4)  # files read at once per rank
         dcp.load(wanted, storage_reader=reader)  # in place, into the model's own tensors
+    if layout.fused or layout.scales or layout.mxfp4:
+        load_experts_and_dequantize(model, ours, layout)
+    # The export's names: the renames loading used (checkpoint_layout.keep_release_names).
+    model._weight_conversions = layout.conversions
+
+
+def load_experts_and_dequantize(model: nn.Module, ours: dict[str, torch.Tensor], layout: Layout) -> None:
+    """Fused MoE experts, each rank its own (common/experts.py), and FP8 or MXFP4 weights dequantized
+    (common/quantized.py): modules imported only for a checkpoint that holds such weights."""
+    from common import experts, quantized
+
     experts.load_own_experts(model, ours, layout.fused, quantized.expert_dequantizer(layout.expert_scales))
     quantized.dequantize_own_blocks(ours, layout.scales)
     quantized.dequantize_own_mxfp4(ours, layout.mxfp4)
-    # The export's names: the renames loading used (checkpoint_layout.keep_release_names).
-    model._weight_conversions = layout.conversions
 
 
 def base_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -86,7 +94,9 @@ def load_converted(model: nn.Module, path: str, broadcast_from_rank0: bool, trus
     conversions: on rank 0, then broadcast, with broadcast_from_rank0; else on every rank."""
     full = {}
     if dist.get_rank() == 0 or not broadcast_from_rank0:
-        kwargs = dict(trust_remote_code=trust_remote_code, **quantized.dequantizing(path))
+        from common.quantized import dequantizing  # a quantized release loaded whole is dequantized too
+
+        kwargs = dict(trust_remote_code=trust_remote_code, **dequantizing(path))
         full = auto_class(model.config).from_pretrained(path, dtype=torch.float32, **kwargs).state_dict()
         ours = {base_name(name): name for name in get_model_state_dict(model)}
         full = {ours.get(name, name): tensor for name, tensor in full.items()}

@@ -103,7 +103,7 @@ def write_adapters(
     peft_config(lora, base_model, exclude_modules).save_pretrained(out_dir)
 
 
-def merged(state: dict, lora: LoraConfig) -> dict:
+def merged_weights(state: dict, lora: LoraConfig) -> dict:
     """The base model's weights with every adapter folded in, W + (alpha / r) B A, under the base's names.
     Sharded weights stay sharded: the small adapters are gathered (a collective), B A is computed whole and
     each rank adds its own part to its shard, so the result is bit for bit the merge of the whole weights."""

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import architectures
 from common.wrap import reshard
 
 
@@ -100,7 +99,7 @@ def compute_loss_in_output_layer(model: nn.Module) -> None:
 
     head.forward = forward
     head.loss_labels = head.loss_sum = head.correct = None
-    head.use_chunked_loss = architectures.returns_head_output(model)
+    head.use_chunked_loss = returns_head_output(model)
     if not head.use_chunked_loss:
         use_full_logits(model, "transforms its output layer's logits (a scale or soft-cap)")
 
@@ -120,6 +119,47 @@ def use_full_logits(model: nn.Module, why: str) -> None:
 
 class HeadResultChanged(RuntimeError):
     """The model did something to its output layer's result, which the chunked loss replaced."""
+
+
+class _HiddenStates(dict):
+    """A decoder's output holding only its last hidden state: any other field is None, by attribute or by
+    index, and `**output` (image-text models re-wrap their language model's output) gives the one field."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__(last_hidden_state=hidden)
+
+    def __getattr__(self, name: str) -> torch.Tensor | None:
+        return self.get(name)
+
+    def __getitem__(self, key: int | str) -> torch.Tensor | None:
+        return self.get("last_hidden_state" if key == 0 else key)
+
+
+@torch.no_grad()
+def returns_head_output(model: nn.Module) -> bool:
+    """Whether the model's forward returns its output layer's result as it is, found by running that forward
+    on `meta` with the decoder and the head stubbed out (no kernels, no collectives, milliseconds): a model
+    that scales or soft-caps its logits (Gemma 2/3, Cohere, Granite, ...) returns a new tensor. No list of
+    config names keeps up with Transformers' models; none in Transformers 5.24 changes them in place."""
+    head, decoder = model.get_output_embeddings(), model.get_decoder()
+    hidden = torch.zeros(1, 2, head.weight.shape[1], device="meta")
+    result = torch.zeros(1, 2, head.weight.shape[0], device="meta")
+    own = {
+        module: module.__dict__.get("forward") for module in (decoder, head)
+    }  # a forward set on the instance
+    decoder.forward = lambda *args, **kwargs: _HiddenStates(hidden)
+    head.forward = lambda hidden: result
+    try:
+        return model(input_ids=torch.zeros(1, 2, dtype=torch.long, device="meta")).logits is result
+    except RuntimeError:  # a forward that reads values on meta (ModernBERT-decoder's .item())
+        return (
+            True  # unknown here: the start-up loss check decides on real tensors (common/ops/loss_check.py)
+        )
+    finally:
+        for module, forward in own.items():
+            del module.forward
+            if forward is not None:
+                module.forward = forward
 
 
 def token_loss_sum(

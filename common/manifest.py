@@ -21,7 +21,7 @@ def checksum(path: str) -> str:
     return digest.hexdigest()
 
 
-def describe(directory: str, names: list[str]) -> dict:
+def file_entries(directory: str, names: list[str]) -> dict:
     """{name: {"bytes", "xxh3_64"}} of these files of `directory`."""
     out = {}
     for name in names:
@@ -37,15 +37,15 @@ def write_manifest(directory: str, known: dict | None = None) -> None:
     files, in parallel)."""
     entries = dict(known or {})
     rest = [n for n in os.listdir(directory) if n not in entries and n != MANIFEST]
-    entries.update(describe(directory, [n for n in rest if os.path.isfile(os.path.join(directory, n))]))
+    entries.update(file_entries(directory, [n for n in rest if os.path.isfile(os.path.join(directory, n))]))
     with open(os.path.join(directory, MANIFEST), "w") as f:
         json.dump(dict(sorted(entries.items())), f, indent=1)
     for root, _, names in os.walk(directory):
         for path in [*(os.path.join(root, name) for name in names), root]:
-            sync(path)
+            fsync_path(path)
 
 
-def sync(path: str) -> None:
+def fsync_path(path: str) -> None:
     """fsync a file, or a directory's entries (a rename in it)."""
     fd = os.open(path, os.O_RDONLY)
     try:

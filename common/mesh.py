@@ -25,7 +25,7 @@ class Dist:
         return self.rank == 0
 
 
-def gather(obj) -> list:
+def gather_objects(obj) -> list:
     if not dist.is_initialized():  # one PyTorch/XLA host
         return [obj]
     out = [None] * dist.get_world_size()

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import zlib
 
 import torch
+from accelerate import init_empty_weights
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, LlamaConfig, PretrainedConfig
 from transformers.utils import logging as hf_logging
 
-from common import architectures, cp, image_text, quantized
+from common import architectures
 from common.config import ConfigError, ModelConfig
 
 
@@ -23,7 +26,10 @@ def load_model_config(cfg: ModelConfig, seq_len: int | None = None) -> Pretraine
     hf_logging.disable_progress_bar()
     hf_config = _read_model_config(cfg)
     architectures.check_causal_lm(hf_config)
-    quantized.check_quantization(hf_config, cfg.name_or_path)  # FP8 blocks dequantize as they load
+    if getattr(hf_config, "quantization_config", None) is not None:  # FP8 blocks dequantize as they load
+        from common.quantized import check_quantization
+
+        check_quantization(hf_config, cfg.name_or_path)
     # No KV cache: it costs memory, and with one Transformers misses packed sequences' restarting positions.
     hf_config.use_cache = hf_config.get_text_config().use_cache = False
     max_positions = getattr(hf_config.get_text_config(), "max_position_embeddings", None)
@@ -95,14 +101,11 @@ def build_meta_model(
             f"{getattr(model_class, '__name__', 'this model')} cannot use ({str(e).splitlines()[0][:160]}); "
             f"{supported}or leave the key unset for Transformers' choice"
         ) from None
-    if cfg.attn_implementation in (cp.ATTENTION, cp.TORCH_ATTENTION) and not model._supports_sdpa:
-        supported = architectures.supported_attention(type(model))
-        raise ConfigError(
-            f"parallelism.cp_size > 1 needs attention that SDPA computes, and {type(model).__name__} does "
-            f"not support sdpa (only {', '.join(supported)}, e.g. for soft-capped attention scores); set "
-            f"parallelism.cp_size=1"
-        )
-    image_text.freeze_vision(model, cfg, architectures.is_image_text(hf_config))
+    image_text = architectures.is_image_text(hf_config)
+    if image_text or not (cfg.freeze_vision_tower and cfg.freeze_multi_modal_projector):
+        from common.image_text import freeze_vision  # an image-text release's, or the keys refused
+
+        freeze_vision(model, cfg, image_text)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -132,6 +135,22 @@ def init_weights(model: nn.Module, seed: int, std: float) -> None:
                 full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
                 full = full.to_local()
             local.copy_(full)
+
+
+@torch.no_grad()
+def init_buffers(model: nn.Module, device: torch.device) -> None:
+    """Every buffer as the model's own construction computes it, which `to_empty` left uninitialised: RoPE
+    frequencies under any name, embedding scales (Gemma), masks. A list of names misses some, so the model is
+    built once more with its parameters on `meta` and its buffers real, and each buffer is copied across by
+    name. A loaded checkpoint then overwrites the persistent ones."""
+    if any(isinstance(buffer, FakeTensor) for buffer in model.buffers()):
+        return  # the planner's fake tensors hold no values (and torch 2.11's reject Accelerate's meta init)
+    config = copy.deepcopy(model.config)
+    with init_empty_weights(include_buffers=False):  # Accelerate's: parameters on meta, buffers computed
+        fresh = dict(type(model)._from_config(config, dtype=torch.float32).named_buffers())
+    for name, buffer in model.named_buffers():
+        name = name.replace(_CHECKPOINT_PREFIX, "").replace("_orig_mod.", "")  # AC's and compile's wrappers
+        buffer.copy_(fresh[name].to(buffer.dtype))
 
 
 # The seam LoRA needs in the dense path: PEFT (common/lora.py) moves a wrapped layer's weight to base_layer

@@ -3,8 +3,6 @@ bottom-up, then on the root."""
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as ac
@@ -16,65 +14,8 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import DTensor, Shard
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from common.config import ConfigError, FsdpConfig, class_names, resolve_mixed_precision
-
-# What fsdp.ac_policy="op" saves: the matmuls (experts' grouped ones too) and attention kernels, which hold
-# nearly all of a layer's FLOPs. The elementwise ops and norms between them are recomputed in backward.
-_ATEN = torch.ops.aten
-SAVED_BY_OP_POLICY = {
-    _ATEN.mm.default,
-    _ATEN.addmm.default,
-    _ATEN.bmm.default,
-    _ATEN._grouped_mm.default,
-    _ATEN._scaled_dot_product_flash_attention.default,
-    _ATEN._scaled_dot_product_efficient_attention.default,
-    _ATEN._scaled_dot_product_cudnn_attention.default,
-    _ATEN._scaled_dot_product_flash_attention_for_cpu.default,
-}
-
-
-def _save_matmuls_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_BY_OP_POLICY else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def checkpoint_layers(
-    model: nn.Module, layer_classes: set[str], policy: str | int, offload: bool = False
-) -> None:
-    """Non-reentrant AC of all layers ("full", "op") or of every Nth, counted back from the last so that it
-    stays unwrapped: backward starts there, and recomputing it while all other layers' activations are
-    alive would add a layer to the peak. `offload`, as Accelerate does it: torch's offload_wrapper keeps what
-    each checkpoint saves, the layer's input, in host memory until backward (docs/memory.md)."""
-    context = {}
-    if policy == "op":
-        context["context_fn"] = partial(create_selective_checkpoint_contexts, _save_matmuls_and_attention)
-    layers = [
-        (parent, name, child)
-        for parent in list(model.modules())
-        for name, child in parent.named_children()
-        if type(child).__name__ in layer_classes
-    ]
-    for from_last, (parent, name, layer) in enumerate(reversed(layers), start=1):
-        if isinstance(policy, int) and from_last % policy:
-            continue
-        wrapped = ac.checkpoint_wrapper(layer, checkpoint_impl=ac.CheckpointImpl.NO_REENTRANT, **context)
-        parent.register_module(name, ac.offload_wrapper(wrapped) if offload else wrapped)
-
-
-def split_experts_over(mesh: DeviceMesh):
-    """FSDP2 splits dim 0, here the rank's experts. With fewer of them than ranks to split over (Mixtral's 8
-    experts at ep 8 on 16 GPUs: 1 expert, 2 ranks), some ranks would hold all the expert weights and the
-    others none; split a weight dim instead."""
-
-    def placement(param: nn.Parameter) -> Shard:
-        shape = param.to_local().shape if isinstance(param, DTensor) else param.shape  # EP: this rank's
-        if shape[0] >= mesh.size():
-            return Shard(0)
-        return Shard(max(range(len(shape)), key=lambda dim: shape[dim]))
-
-    return placement
 
 
 def resolve_layer_classes(model: nn.Module, fsdp: FsdpConfig) -> set[str]:
@@ -193,6 +134,8 @@ def apply_fsdp(
     `training=False` (forward only) reshards every unit after forward, as the key says."""
     layer_classes = resolve_layer_classes(model, fsdp)
     if fsdp.activation_checkpointing:  # before fully_shard, so FSDP's hooks see the wrappers
+        from common.activation_checkpointing import checkpoint_layers
+
         checkpoint_layers(model, layer_classes, fsdp.ac_policy, fsdp.activation_checkpointing_offload)
     compiled = 0
     if compile_layers:
@@ -209,7 +152,9 @@ def apply_fsdp(
     kwargs = dict(
         reshard_after_forward=fsdp.reshard_after_forward, mp_policy=mp_policy, offload_policy=offload
     )
-    for module in experts:
+    for module in experts:  # the MoE recipe's (common/moe.py)
+        from common.moe import split_experts_over
+
         fully_shard(module, mesh=expert_mesh, shard_placement_fn=split_experts_over(expert_mesh), **kwargs)
     units = plan_units(model, fsdp, layer_classes, set(experts))
     kept = []

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         cast = {k: saved.pop(k).to(dtype, copy=True) for k in file_keys}  # copies: no shared storage
         with export_check.full_disk_is_one_line(tmp, needed):
             save_file(cast, os.path.join(tmp, file), metadata={"format": "pt"})  # save_pretrained's header
-        written.update(manifest.describe(tmp, [file]))
+        written.update(manifest.file_entries(tmp, [file]))
     every = [written]
     if dist.is_initialized():
         every = [None] * world

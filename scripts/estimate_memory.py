@@ -54,13 +54,12 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as ac_wr
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from common import cp, lora, loss
-from common.architectures import init_buffers
 from common.config import Config, ConfigError, TrainConfig
 from common.data.batches import Batch
 from common.evaluate import score_shard
 from common.experts import loads_whole, split_within_experts
 from common.mesh import build_dp_mesh, build_meshes
-from common.model import build_meta_model, load_model_config
+from common.model import build_meta_model, init_buffers, load_model_config
 from common.moe import apply_tp_ep, build_moe_meshes, fsdp_meshes
 from common.ops.cli import run_cli
 from common.ops.config_sources import apply_override
@@ -137,9 +136,9 @@ def shard_on_meta(cfg: Config, recipe: str, world_size: int, device_type: str) -
     script = load_script(SCRIPTS_OF[recipe])
     t, cp_size = cfg.train, cfg.parallelism.cp_size
     checked = script.check_config(cfg, world_size) if recipe != "moe" else None
-    if cp_size > 1:  # as the scripts' main() do; the planner runs the all-gather one
-        cfg.model.attn_implementation = cp.use_cp_attention()
     hf_config = load_model_config(cfg.model, cfg.data.seq_len)
+    if cp_size > 1:  # as the scripts' main() do; the planner runs the all-gather one
+        cfg.model.attn_implementation = cp.use_cp_attention(hf_config)
     model = build_meta_model(hf_config, cfg.model, t.gradient_checkpointing)
     if recipe == "pretrain" and cfg.lora.r:  # as pretrain_fsdp.py's main() does
         lora.add_adapters(model, cfg.lora, device_type)
@@ -192,7 +191,7 @@ def measure(cfg: Config, recipe: str, world_size: int, device_type: str, images:
         cp_state = None
         if cp_size > 1 or recipe == "eval":  # as each script does
             load_balance = cfg.eval.load_balance if recipe == "eval" else True
-            cp_state = cp.setup(seq_len, cp_size, load_balance, device)
+            cp_state = cp.build_cp_state(seq_len, cp_size, load_balance, device)
         # Meshes, CP state and the sharding plan are real or on `meta`; from the weights on, all is fake.
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=device)

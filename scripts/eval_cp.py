@@ -31,7 +31,6 @@ from torch.distributed.tensor.experimental._attention import _cp_options, set_ro
 from torch.distributed.tensor.experimental._context_parallel._attention import custom_ops as cp_kernels
 
 from common import cp, loss
-from common.architectures import init_buffers
 from common.config import Config, ConfigError
 from common.data.batches import load_tokenizer
 from common.data.embedded import ensure_embedded_tokenizer
@@ -40,8 +39,8 @@ from common.data.image_records import refuse_images
 from common.data.sft import is_sft
 from common.evaluate import evaluate
 from common.load_weights import is_sharded_export, load_hf_weights, load_sharded_export
-from common.mesh import build_dp_mesh, gather, init_distributed, resolve_device
-from common.model import build_meta_model, load_model_config
+from common.mesh import build_dp_mesh, gather_objects, init_distributed, resolve_device
+from common.model import build_meta_model, init_buffers, load_model_config
 from common.ops import loss_check
 from common.ops.cli import parse_args, run_cli
 from common.ops.integrity import verify_model_checksums
@@ -166,9 +165,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv, description=__doc__)
     p, e, seq_len = cfg.parallelism, cfg.eval, cfg.data.seq_len
     attention = check_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
-    if p.cp_size > 1 or attention == "torch_cp":  # at cp 1, the model's own attention
-        cfg.model.attn_implementation = cp.use_cp_attention(torch_cp=attention == "torch_cp")
     hf_config = load_model_config(cfg.model, seq_len)
+    if p.cp_size > 1 or attention == "torch_cp":  # at cp 1, the model's own attention
+        cfg.model.attn_implementation = cp.use_cp_attention(hf_config, torch_cp=attention == "torch_cp")
     cp.check_cp(seq_len, p.cp_size, e.load_balance, hf_config.get_text_config())  # image-text: its LM
     model = build_meta_model(hf_config, cfg.model)  # on `meta`: no memory yet
     loss.compute_loss_in_output_layer(model)  # eval.loss_chunk_tokens: no full-vocabulary logits
@@ -179,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     d = init_distributed(cfg.train.device, p.timeout_minutes)
     verify_model_checksums(cfg.model, cfg.checkpoint.verify_checksums)  # each rank its share of the files
     dp_size = d.world_size // p.cp_size
-    cp_state = cp.setup(seq_len, p.cp_size, e.load_balance, d.device)
+    cp_state = cp.build_cp_state(seq_len, p.cp_size, e.load_balance, d.device)
     set_rotate_method(p.cp_comm_strategy)  # torch_cp only: how K/V shards travel between cp ranks
     # torch_cp only: its head-tail shards, the same as ours; torch 2.13 has no public switch for it.
     _cp_options.enable_load_balance = e.load_balance
@@ -201,7 +200,9 @@ def main(argv: list[str] | None = None) -> None:
     # Before scoring: the evaluation loss is Transformers' own on the first held-out rows.
     checked = loss_check.verify_loss_at_start(model, None, batches, d.device, cfg, None, attention)
     reset_peak_memory(d.device)
-    loaded = gather(peak_memory_bytes(d.device) / GIB)  # right after the reset: what loading left behind
+    loaded = gather_objects(
+        peak_memory_bytes(d.device) / GIB
+    )  # right after the reset: what loading left behind
 
     start_time = time.perf_counter()
     # Token-weighted over dp x cp: the cp shards partition each sequence, so no token counts twice.
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
         mem_after_load_gib_per_rank=loaded,
         **checked,
     )
-    results["peak_mem_gib_per_rank"] = gather(peak_memory_bytes(d.device) / GIB)
+    results["peak_mem_gib_per_rank"] = gather_objects(peak_memory_bytes(d.device) / GIB)
     if d.is_main:
         os.makedirs(cfg.checkpoint.dir, exist_ok=True)
         with open(os.path.join(cfg.checkpoint.dir, "eval_results.json"), "w") as f:

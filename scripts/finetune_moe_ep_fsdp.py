@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from common import loss
-from common.architectures import init_buffers
 from common.checkpoint import (
     checkpoints_dir,
     load_checkpoint,
@@ -43,8 +42,8 @@ from common.data.sft import build_sft_batches
 from common.evaluate import eval_mode, evaluate
 from common.export import export_final
 from common.load_weights import load_or_init_weights
-from common.mesh import gather, init_distributed
-from common.model import build_meta_model, load_model_config
+from common.mesh import gather_objects, init_distributed
+from common.model import build_meta_model, init_buffers, load_model_config
 from common.moe import (
     MoeSizes,
     RouterLogits,
@@ -174,7 +173,7 @@ def moe_details(experts: list, loss_fn: MoeLoss) -> dict:
     """What model_ready logs for an MoE run: every rank's expert layout, and the loss's settings."""
     return {
         "experts": loss_fn.num_experts,
-        "expert_layout_per_rank": gather(expert_layout(experts)),
+        "expert_layout_per_rank": gather_objects(expert_layout(experts)),
         "router_aux_loss_coef": loss_fn.coef,
         "loss_chunk_tokens": loss_fn.chunk_tokens,
     }

@@ -12,15 +12,16 @@ from __future__ import annotations
 import os
 import sys
 from functools import partial
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from transformers import PretrainedConfig
 
-from common import cp, loss
-from common.architectures import init_buffers
+from common import loss
 from common.checkpoint import (
     checkpoints_dir,
     load_checkpoint,
@@ -38,7 +39,7 @@ from common.evaluate import eval_mode, evaluate
 from common.export import export_final
 from common.load_weights import load_or_init_weights
 from common.mesh import build_meshes, init_distributed, resolve_device, resolve_dp_sizes
-from common.model import build_meta_model, load_model_config
+from common.model import build_meta_model, init_buffers, load_model_config
 from common.ops import loss_check
 from common.ops.async_save import BackgroundSaves
 from common.ops.cli import parse_args, refuse_set_keys, run_cli
@@ -57,9 +58,12 @@ from common.ops.stopping import StopRules
 from common.optim import build_optimizer, clip_grad_norm_, lr_multiplier
 from common.wrap import apply_fsdp, resolve_layer_classes
 
+if TYPE_CHECKING:
+    from common.cp import CpState
+
 
 def token_loss_sum(
-    model: torch.nn.Module, batch: Batch, device: torch.device, cp_state: cp.CpState | None, chunk_tokens: int
+    model: torch.nn.Module, batch: Batch, device: torch.device, cp_state: CpState | None, chunk_tokens: int
 ) -> torch.Tensor:
     """Summed token loss; with context parallelism, over this rank's positions of each sequence only.
     Position ids that restart per packed document (data.document_mask) or SFT example keep attention
@@ -73,7 +77,7 @@ def token_loss_sum(
 
 
 def train_step(
-    model, optimizer, scheduler, micro_batches, device, cp_state: cp.CpState | None, t: TrainConfig, tp: int
+    model, optimizer, scheduler, micro_batches, device, cp_state: CpState | None, t: TrainConfig, tp: int
 ) -> dict:
     """One optimizer step over this rank's micro-batches: mean token loss, grad norm, tokens, the lr.
 
@@ -110,9 +114,7 @@ def train_step(
 
 
 @torch.no_grad()
-def batch_loss_sum(
-    model, batch: Batch, device, cp_state: cp.CpState | None, chunk_tokens: int
-) -> torch.Tensor:
+def batch_loss_sum(model, batch: Batch, device, cp_state: CpState | None, chunk_tokens: int) -> torch.Tensor:
     """Summed token loss over the whole batch: under CP, over every cp rank's positions."""
     summed = token_loss_sum(model, batch, device, cp_state, chunk_tokens)
     if cp_state is not None:
@@ -121,7 +123,7 @@ def batch_loss_sum(
 
 
 @torch.no_grad()
-def fixed_batch_loss(model, data, device, cp_state: cp.CpState | None, t: TrainConfig) -> float | None:
+def fixed_batch_loss(model, data, device, cp_state: CpState | None, t: TrainConfig) -> float | None:
     """Mean token loss on a fixed batch (the data's first rows), in eval mode (no dropout), to check exports
     against; none for a stream, which has no first rows that another run could rebuild."""
     if not hasattr(data, "fixed_batch"):
@@ -195,12 +197,28 @@ def check_config(cfg: Config, world_size: int) -> tuple[int, int, int]:
     return dp_replicate, dp_shard, dp_size
 
 
-# A feature's module is imported where its config asks for it: a dense run takes neither (docs/layout.md).
+# A feature's module is imported where its config asks for it: a dense run takes none (docs/layout.md).
 def add_adapters(model: torch.nn.Module, cfg: Config) -> None:
     if cfg.lora.r:
         from common import lora
 
         lora.add_adapters(model, cfg.lora, resolve_device(cfg.train.device).type)
+
+
+def use_context_parallel(cfg: Config, hf_config: PretrainedConfig) -> None:
+    if cfg.parallelism.cp_size > 1:
+        from common import cp
+
+        cp.check_cp(cfg.data.seq_len, cfg.parallelism.cp_size, True, hf_config.get_text_config())
+        cfg.model.attn_implementation = cp.use_cp_attention(hf_config)
+
+
+def context_parallel_state(cfg: Config, device: torch.device) -> CpState | None:
+    if cfg.parallelism.cp_size > 1:
+        from common import cp
+
+        return cp.build_cp_state(cfg.data.seq_len, cfg.parallelism.cp_size, True, device)
+    return None
 
 
 def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh | None) -> None:
@@ -214,11 +232,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv, description=__doc__)
     t, c, e, p, seq_len = cfg.train, cfg.checkpoint, cfg.eval, cfg.parallelism, cfg.data.seq_len
     dp_replicate, dp_shard, dp_size = check_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
-    if p.cp_size > 1:  # attention all-gathers K/V over the cp group (common/cp.py)
-        cfg.model.attn_implementation = cp.use_cp_attention()
     hf_config = load_model_config(cfg.model, seq_len)
     text_config = hf_config.get_text_config()  # an image-text release's language model; else hf_config
-    cp.check_cp(seq_len, p.cp_size, True, text_config)
+    use_context_parallel(cfg, hf_config)  # cp_size > 1: attention all-gathers K/V over the cp group
     model = build_meta_model(hf_config, cfg.model, t.gradient_checkpointing)  # on `meta`: no memory yet
     resolve_layer_classes(model, cfg.fsdp)  # a bad class name fails before any process group exists
     add_adapters(model, cfg)  # lora.r > 0: PEFT's adapters; the base frozen
@@ -229,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     d, device = init_distributed(t.device, p.timeout_minutes), resolve_device(t.device)
     verify_model_checksums(cfg.model, c.verify_checksums)  # each rank its share of the files: read once
     mesh, tp_mesh = build_meshes(device.type, dp_replicate, dp_shard * p.cp_size, p.tp_size)
-    cp_state = cp.setup(seq_len, p.cp_size, True, device) if p.cp_size > 1 else None
+    cp_state = context_parallel_state(cfg, device)  # cp_size > 1: this rank's positions of each row
     torch.manual_seed(t.seed)
 
     # Data before the model: a bad dataset fails before any memory. A dp rank's cp and tp peers share it.

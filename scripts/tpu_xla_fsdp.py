@@ -36,14 +36,14 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from common.architectures import init_buffers, is_image_text
+from common.architectures import is_image_text
 from common.checkpoint import checkpoints_dir, finish_checkpoint, restore_train_state, train_state
 from common.config import Config, ConfigError, FsdpConfig
 from common.data.checks import check_vocab_size
 from common.data.train_batches import build_batches
 from common.export import finish_export, prepare_for_generation, save_model_config
 from common.load_weights import is_sharded_export
-from common.model import build_meta_model, init_weights, load_model_config
+from common.model import build_meta_model, init_buffers, init_weights, load_model_config
 from common.ops.cli import parse_args, run_cli
 from common.ops.integrity import verify_model_checksums
 from common.ops.metrics import MetricsLogger, StepLog, checkpoint_record, flops_per_token
@@ -158,8 +158,12 @@ def token_loss_sum(model, batch, mesh, compute_dtype: torch.dtype) -> torch.Tens
 
 
 @torch.no_grad()
-def fixed_batch_loss(model, batch, mesh, compute_dtype: torch.dtype) -> float:
-    """The check pretrain_fsdp.py logs: the export must reproduce this mean token loss."""
+def fixed_batch_loss(model, data, size: int, mesh, compute_dtype: torch.dtype) -> float | None:
+    """The check pretrain_fsdp.py logs: the export must reproduce this mean token loss; none for a stream
+    (data.streaming), which has no first rows that another run could rebuild."""
+    if not hasattr(data, "fixed_batch"):
+        return None
+    batch = data.fixed_batch(size)
     return token_loss_sum(model, batch, mesh, compute_dtype).item() / int((batch.labels != -100).sum())
 
 
@@ -311,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
                 logger.close()
                 return
 
-    fixed_loss = fixed_batch_loss(model, data.fixed_batch(t.micro_batch_size), mesh, compute_dtype)
+    fixed_loss = fixed_batch_loss(model, data, t.micro_batch_size, mesh, compute_dtype)
     logger.log({"event": "final", "fixed_batch_loss": fixed_loss})
     if c.export:
         path = export(model, cfg, tokenizer, compute_dtype)

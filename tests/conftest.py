@@ -37,6 +37,20 @@ SLOWEST_FIRST = [
 ]
 
 
+def pytest_configure(config) -> None:
+    """tests/keys_given.py: each test that tests/test_every_key.py names as a key's proof gives that key."""
+    from keys_given import KeysGiven, proven_by
+
+    plugin = KeysGiven(proven_by())
+    plugin.install()
+    config.pluginmanager.register(plugin, "keys_given")
+
+
+def pytest_unconfigure(config) -> None:
+    if plugin := config.pluginmanager.get_plugin("keys_given"):
+        plugin.uninstall()
+
+
 def pytest_collection_modifyitems(items) -> None:
     order = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: a file keeps its own order

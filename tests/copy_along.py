@@ -51,10 +51,15 @@ def imports(path: str, inside_functions: bool = True) -> set[str]:
 
 
 def walk(tree: ast.AST, inside_functions: bool):
+    """The nodes below `tree`; without inside_functions, neither a function's body nor an `if TYPE_CHECKING:`
+    block (imports for type hints alone, never run)."""
     for node in ast.iter_child_nodes(tree):
         yield node
-        if inside_functions or not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            yield from walk(node, inside_functions)
+        if not inside_functions and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if not inside_functions and isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            continue
+        yield from walk(node, inside_functions)
 
 
 def closure(path: str, inside_functions: bool = True) -> set[str]:
@@ -95,7 +100,7 @@ def features(script: str) -> dict[str, set[str]]:
     lazy = set()
     for path in {f"scripts/{script}.py"} | dense:
         lazy |= imports(path) - imports(path, inside_functions=False)
-    return {module: (closure(module) | {module}) - dense for module in sorted(lazy - dense)}
+    return {module: (closure(module, False) | {module}) - dense for module in sorted(lazy - dense)}
 
 
 def common_modules() -> list[str]:

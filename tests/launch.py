@@ -15,6 +15,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "debug_tiny.json")
 
 
+# The PyTorch/XLA environment .ci/run builds (requirements-xla.txt); where it could not, why, in the file.
+XLA_PYTHON = os.environ.get("XLA_PYTHON", os.path.expanduser("~/.cache/fsdp2-recipes/xla-venv/bin/python"))
+XLA_UNAVAILABLE = os.path.expanduser("~/.cache/fsdp2-recipes/xla-venv.failed")
+
+
+def xla_unavailable() -> str:
+    """The skip reason of a test that needs the PyTorch/XLA environment, where there is none."""
+    reason = open(XLA_UNAVAILABLE).read().strip() if os.path.exists(XLA_UNAVAILABLE) else "not created"
+    return f"no PyTorch/XLA environment at {XLA_PYTHON} ({reason}); see docs/tpu.md"
+
+
 def free_port() -> int:
     """For launchers that default to port 29500: tests run in parallel (pytest-xdist) must not share it."""
     with socket.socket() as s:

@@ -8,29 +8,27 @@ checks it:
 - `Named`: eval_cp.py evaluates a training run's config as it is, so a key only training reads is named in
   its one "do nothing" line;
 - `ProvenBy`: a test elsewhere shows the effect with what one process here cannot do (several ranks, a
-  killed rank, torch.compile, the XLA environment); it must exist, and its file must set the key;
-- `ReadBy`: the script hands the key to code that reads it, where its run needs torch_xla, or the same
-  function's effect is shown for pretrain_fsdp.py (the MoE recipe's optimizer and schedule keys);
+  killed rank, torch.compile, the XLA environment); it must exist and run, and it must give the key to a
+  recipe it launches (or build the key's section with it, in-process): tests/keys_given.py, a plugin
+  conftest.py registers, fails that test where it does not.
 
 A key added without an entry fails `test_the_table_covers_every_key_of_every_section`. Each run is a recipe's
-own main() on one process; all of them run in one subprocess (python tests/test_every_key.py PLAN OUT), so
-one import of torch and Transformers serves them all: about three minutes on 2 cores.
+own main() on one process; all of them run in one subprocess (tests/every_key_runner.py), so one import of
+torch and Transformers serves them all: about three minutes on 2 cores. The XLA recipe's runs go through the
+same runner in the PyTorch/XLA environment, on XLA's CPU runtime with 4 devices, at the same time.
 """
 
 from __future__ import annotations
 
 import ast
-import contextlib
 import dataclasses
 import glob
-import io
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,7 +37,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.config import Config  # noqa: E402
-from launch import REPO, TINY, env, save_release, write_short_documents  # noqa: E402
+from launch import REPO, TINY, XLA_PYTHON, env, save_release, write_short_documents, xla_unavailable  # noqa: E402
 
 MOE = os.path.join(REPO, "configs", "debug_moe.json")
 EVAL = os.path.join(REPO, "configs", "debug_eval_cp.json")
@@ -49,7 +47,7 @@ BASE = {
     "pretrain_fsdp": [TINY, "train.steps=2"],
     "finetune_moe_ep_fsdp": [MOE, "train.steps=2", "eval.interval=2", "eval.max_sequences=8"],
     "eval_cp": [EVAL, "model.name_or_path={pretrain_export}", "parallelism.cp_size=1", "data.seq_len=64"],
-    "tpu_xla_fsdp": [TPU],
+    "tpu_xla_fsdp": [TPU, "train.steps=2"],
 }
 BASE["eval_cp"] += ["eval.max_sequences=4", "eval.loss_chunk_tokens=32"]
 
@@ -75,15 +73,6 @@ class Named:
 @dataclass(frozen=True)
 class ProvenBy:
     test: str  # tests/test_x.py::test_name
-
-
-@dataclass(frozen=True)
-class ReadBy:
-    """What a run here cannot show (the XLA recipe needs torch_xla; the MoE recipe's schedule and optimizer
-    keys go through pretrain's functions, shown there): the script calls `function`, whose module (or one of
-    common/ that it imports) reads the key."""
-
-    function: str  # main, a function of the script, or one of common/ that it calls
 
 
 # What a run wrote, for the probes.
@@ -255,9 +244,8 @@ PRETRAIN = {
     "checkpoint.async_save": Acts(
         "true", differs(lambda r: [e.get("async") for e in events(r, "checkpoint")])
     ),
-    "checkpoint.verify_checksums": ProvenBy(
-        "tests/test_damaged.py::test_damaged_model_directories_are_one_line"
-    ),
+    # A copy of the base run's export with one byte of its weights flipped: its manifest's checksum fails.
+    "checkpoint.verify_checksums": Acts("false", fails, ("model.name_or_path={damaged}", "model.config={}")),
     "checkpoint.load_best_model_at_end": ProvenBy(
         "tests/test_finetune.py::test_early_stopping_stops_where_patience_says_and_exports_the_best_step"
     ),
@@ -328,12 +316,10 @@ MOE_TABLE = {
     "data.embedded_max_bytes": Acts("800000", LOSSES),  # the embedded tokenizer is trained on that slice
     "train.micro_batch_size": Acts("2", differs(layout("forwards"))),
     "train.steps": Acts("3", differs(lambda r: [x["step"] for x in steps(r)])),
-    "train.sync_each_batch": ReadBy("train_step"),
-    **{
-        f"train.{key}": ReadBy("lr_multiplier")
-        for key in ("min_lr_ratio", "warmup_steps", "lr_schedule", "wsd_decay_ratio")
-    },
-    **{f"train.{key}": ReadBy("build_optimizer") for key in ("lr", "weight_decay", "betas", "eps")},
+    "train.sync_each_batch": ProvenBy(
+        "tests/test_moe.py::test_sync_each_batch_reduce_scatters_every_micro_batch_with_the_same_losses"
+    ),
+    "train.min_lr_ratio": Acts("0.5", LR, ("train.steps=4", "train.warmup_steps=0")),  # its config warms up 5
     "train.compile": Refused("true"),
     "train.loss_chunk_tokens": ProvenBy(
         "tests/test_loss.py::test_moe_fine_tuning_with_the_chunked_head_equals_the_plain_head"
@@ -430,7 +416,7 @@ EVAL_TABLE = {
     "parallelism.cp_comm_strategy": Refused("alltoall", ("parallelism.cp_size=1",)),
     "parallelism.timeout_minutes": MULTI_RANK["parallelism.timeout_minutes"],
     "checkpoint.dir": PRETRAIN["checkpoint.dir"],
-    "checkpoint.verify_checksums": PRETRAIN["checkpoint.verify_checksums"],
+    "checkpoint.verify_checksums": Acts("false", fails, ("model.name_or_path={damaged}",)),
     "metrics.profile_steps": Refused("[1, 1]"),
     "metrics.memory_snapshot": Refused("true"),
     "eval.max_sequences": Acts("2", differs(result("tokens"))),
@@ -502,45 +488,39 @@ EVAL_TABLE["train.device"] = Refused("cuda")
 XLA_WRAP = ProvenBy(
     "tests/test_xla.py::test_wrap_plan_follows_auto_wrap_policy_and_grad_ckpt_takes_the_layers"
 )
+# The XLA recipe's runs go through the same shared code as pretrain_fsdp.py's, at the same values.
+XLA_AS_PRETRAIN = (
+    "model.config",
+    "model.trust_remote_code",
+    *(f"data.{key}" for key in ("dataset", "pack", "tokenizer", "seq_len", "cache_dir", "text_field")),
+    *(f"data.{key}" for key in ("streaming", "embedded_max_bytes", "embedded_vocab_size")),
+    *(f"train.{key}" for key in ("steps", "global_batch_size", "min_lr_ratio", "warmup_steps")),
+    *(f"train.{key}" for key in ("lr_schedule", "wsd_decay_ratio", "lr", "weight_decay", "betas", "eps")),
+    *(f"train.{key}" for key in ("max_grad_norm", "seed", "stop_after")),
+    *(f"checkpoint.{key}" for key in ("dir", "interval", "keep_latest", "resume", "export")),
+    *(f"checkpoint.{key}" for key in ("verify_checksums", "max_shard_size", "export_dtype")),
+    *(f"metrics.{key}" for key in ("log_every", "tensorboard", "peak_flops")),
+)
 TPU_TABLE = {
+    **{key: PRETRAIN[key] for key in XLA_AS_PRETRAIN},
     "model.name_or_path": ProvenBy(
         "tests/test_xla.py::test_grad_ckpt_keeps_the_losses_and_resume_continues_exactly"
     ),
-    "model.config": ReadBy("load_model_config"),
     "model.attn_implementation": Refused("flash_attention_2"),
-    "model.trust_remote_code": ReadBy("build_model"),
     "model.freeze_vision_tower": Refused("false"),  # a text model; image-text: test_architectures.py
     "model.freeze_multi_modal_projector": Refused("false"),
-    **{
-        f"data.{key}": ReadBy("build_batches")
-        for key in ("dataset", "pack", "tokenizer", "seq_len", "cache_dir")
-    },
-    "data.text_field": ReadBy("build_batches"),
-    "data.streaming": ReadBy("build_batches"),
-    "data.embedded_max_bytes": ReadBy("build_batches"),
-    "data.embedded_vocab_size": ReadBy("build_batches"),
     "data.eval_dataset": Refused("embedded"),
     "data.eval_split": PRETRAIN["data.eval_split"],
     "data.dataset_config": PRETRAIN["data.dataset_config"],
     "data.split": PRETRAIN["data.split"],
     "data.document_mask": Refused("true"),
-    "train.steps": ReadBy("main"),
-    "train.global_batch_size": ReadBy("build_batches"),
-    "train.micro_batch_size": ReadBy("build_batches"),
-    **{
-        f"train.{key}": ReadBy("lr_multiplier")
-        for key in ("min_lr_ratio", "warmup_steps", "lr_schedule", "wsd_decay_ratio")
-    },
-    **{f"train.{key}": ReadBy("build_optimizer") for key in ("lr", "weight_decay", "betas", "eps")},
-    "train.max_grad_norm": ReadBy("main"),
-    "train.seed": ReadBy("build_model"),
+    "train.micro_batch_size": Acts("8", differs(layout("forwards"))),  # its config's is 4 (x 4 devices)
     "train.gradient_checkpointing": Refused("true"),
     "train.compile": Refused("true"),
     "train.loss_chunk_tokens": Refused("0"),
     "train.sync_each_batch": Refused("true"),
     "train.verify_loss_at_start": Refused("false"),
     "train.device": Refused("cpu"),
-    "train.stop_after": ReadBy("StopRules"),
     "train.router_aux_loss_coef": Refused("0.01"),
     "fsdp.version": Refused("1"),
     "fsdp.reshard_after_forward": Refused("false"),
@@ -572,19 +552,10 @@ TPU_TABLE = {
     "parallelism.fsdp_size": Refused("2"),
     "parallelism.cp_comm_strategy": Refused("alltoall"),
     "parallelism.timeout_minutes": Refused("1"),
-    **{
-        f"checkpoint.{key}": ReadBy("main")
-        for key in ("dir", "interval", "keep_latest", "resume", "export", "verify_checksums")
-    },
-    "checkpoint.max_shard_size": ReadBy("export"),
-    "checkpoint.export_dtype": ReadBy("export"),
     "checkpoint.export_writers": Refused("one"),
     "checkpoint.async_save": Refused("true"),
     "checkpoint.load_best_model_at_end": Refused("true"),
-    "metrics.log_every": ReadBy("StepLog"),
     "metrics.comm_stats": Refused("true"),
-    "metrics.tensorboard": ReadBy("MetricsLogger"),
-    "metrics.peak_flops": ReadBy("StepLog"),
     "metrics.profile_steps": Refused("[1, 1]"),
     "metrics.memory_snapshot": Refused("true"),
     "eval.interval": Refused("1", ("data.eval_dataset=embedded",)),
@@ -760,6 +731,11 @@ def plan_runs(tmp) -> tuple[list[dict], dict]:
         item = {"id": run_id, "script": script, "dir": run_dir, "until_group": until_group}
         item["copy_from"] = f"{script}|" if copy else None
         local = {"{cache}": f"{run_dir}-cache", "{elsewhere}": f"{run_dir}-elsewhere"}
+        local["{damaged}"] = f"{run_dir}-damaged"  # a copy of the script's base run's export, one byte off
+        source = "pretrain_fsdp" if script == "eval_cp" else script  # eval_cp.py evaluates pretrain's
+        damaged = "{damaged}" in " ".join(words)
+        item["damage"] = [os.path.join(dirs[f"{source}|"], "export"), local["{damaged}"]] if damaged else None
+        item["xla"] = script == "tpu_xla_fsdp" and not until_group
         item["watch"] = next((path for name, path in local.items() if any(name in w for w in words)), None)
         if "{cache}" in " ".join(words):
             for tokenizer_dir in cached:  # the embedded tokenizers, so this run does not train them again
@@ -790,14 +766,35 @@ def plan_runs(tmp) -> tuple[list[dict], dict]:
 
 
 def run_plan(tmp, plan: list[dict], needed: dict) -> dict:
-    """The runs, in one subprocess; for each (script, key), what its base run and its run wrote."""
-    with open(tmp / "plan.json", "w") as f:
-        json.dump(plan, f)
-    cmd = [sys.executable, os.path.abspath(__file__), str(tmp / "plan.json"), str(tmp / "out.json")]
-    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0 and os.path.exists(tmp / "out.json"), proc.stderr[-5000:]
+    """The runs, in two subprocesses at once: the XLA recipe's own runs in the PyTorch/XLA environment (4 XLA
+    CPU devices), the rest here; for each (script, key), what its base run and its run wrote."""
+    runner = os.path.join(REPO, "tests", "every_key_runner.py")
+    xla = [item for item in plan if item["xla"]]
+    for name, items in [("plan", [item for item in plan if not item["xla"]]), ("xla_plan", xla)]:
+        with open(tmp / f"{name}.json", "w") as f:
+            json.dump(items, f)
+    with open(tmp / "xla.log", "w") as log:
+        started = None
+        if os.path.exists(XLA_PYTHON):
+            cmd = [XLA_PYTHON, runner, str(tmp / "xla_plan.json"), str(tmp / "xla_out.json")]
+            xla_env = env(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4")
+            started = subprocess.Popen(cmd, cwd=REPO, env=xla_env, stdout=log, stderr=log)
+        try:
+            cmd = [sys.executable, runner, str(tmp / "plan.json"), str(tmp / "out.json")]
+            proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=1800)
+            assert proc.returncode == 0 and os.path.exists(tmp / "out.json"), proc.stderr[-5000:]
+            xla_code = started.wait(timeout=1800) if started else None
+        finally:
+            if started and started.poll() is None:
+                started.kill()
     with open(tmp / "out.json") as f:
         ran = json.load(f)
+    if started is None:  # the XLA runs are skipped, with the reason (as tests/test_xla.py's are)
+        ran |= {item["id"]: {"skipped": xla_unavailable()} for item in xla}
+    else:
+        assert xla_code == 0 and os.path.exists(tmp / "xla_out.json"), (tmp / "xla.log").read_text()[-5000:]
+        with open(tmp / "xla_out.json") as f:
+            ran |= json.load(f)
     return {pair: tuple(ran[run_id] if run_id else None for run_id in ids) for pair, ids in needed.items()}
 
 
@@ -821,34 +818,8 @@ def _test_source(test: str) -> tuple[str, str]:
         (n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef) and n.name == name), None
     )
     assert node is not None, f"{test} does not exist"
-    return text, ast.get_source_segment(text, node)
-
-
-def _reads(script: str, function: str, leaf: str) -> bool:
-    """`script` calls `function` (or it is its main); the function, when the script defines it, or else the
-    common/ module that defines it or one that module imports, reads `.leaf`."""
-    with open(os.path.join(REPO, "scripts", f"{script}.py")) as f:
-        text = f.read()
-    if function != "main":
-        assert re.search(rf"\b{function}\(", text), f"{script}.py does not call {function}"
-    own = [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef) and n.name == function]
-    if own:
-        return bool(re.search(rf"\.{leaf}\b", ast.get_source_segment(text, own[0])))
-    for path in glob.glob(f"{REPO}/common/**/*.py", recursive=True):
-        with open(path) as f:
-            module = f.read()
-        if re.search(rf"^(def|class) {function}\b", module, re.M):
-            modules = re.findall(r"^from common\.([\w.]+) import", module, re.M)
-            modules += [
-                n.strip()
-                for names in re.findall(r"^from common import ([\w, ]+)", module, re.M)
-                for n in names.split(",")
-            ]
-            paths = [path] + [os.path.join(REPO, "common", *name.split(".")) + ".py" for name in modules]
-            config = os.path.join(REPO, "common", "config.py")  # every key's field: no evidence
-            texts = [open(p).read() for p in paths if os.path.exists(p) and p != config]
-            return any(re.search(rf"\.{leaf}\b", t) for t in texts)
-    return False
+    start = min([node.lineno] + [decorator.lineno for decorator in node.decorator_list])
+    return text, "\n".join(text.splitlines()[start - 1 : node.end_lineno])  # with its decorators
 
 
 @pytest.mark.parametrize("key", sorted(BAD_VALUES))
@@ -866,11 +837,11 @@ CASES = [(script, key) for script in TABLES for key in every_key()]
 def test_every_key_acts_or_errors(script, key, results):
     entry = TABLES[script][key]
     base, run = results.get((script, key), (None, None))
-    if isinstance(entry, ProvenBy):
-        text, _ = _test_source(entry.test)
-        assert key.split(".")[-1] in text, f"{entry.test}'s file never sets {key}"
-    elif isinstance(entry, ReadBy):
-        assert _reads(script, entry.function, key.split(".")[-1]), f"{entry.function} does not read {key}"
+    if skipped := (run or {}).get("skipped") or (base or {}).get("skipped"):
+        pytest.skip(skipped)
+    if isinstance(entry, ProvenBy):  # and tests/keys_given.py fails that test if it never gives the key
+        _, source = _test_source(entry.test)
+        assert not re.search(r"pytest\.mark\.(skip|xfail)", source), f"{entry.test} does not run"
     elif isinstance(entry, Refused):
         named = key.split(".")[-1] in run["error"] if run["error"] else False  # "fsdp.a / b are set" names b
         refused = named and run["error"].startswith("config error:")
@@ -884,153 +855,3 @@ def test_every_key_acts_or_errors(script, key, results):
         assert entry.probe(base, run), (
             f"no difference from the default\nbase: {_show(base)}\nrun: {_show(run)}"
         )
-
-
-# The runner: python tests/test_every_key.py PLAN OUT runs each planned run in this one process.
-def _load(script: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(script, os.path.join(REPO, "scripts", f"{script}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _layout(model, counts: dict) -> dict:
-    """What apply_fsdp built: its counts, and the model's own settings that no metric shows."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-    from torch.distributed.fsdp import FSDPModule
-
-    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
-    groups = [g for g in groups if g is not None]
-    return {
-        **counts,
-        "attn": model.config._attn_implementation,
-        "gradient_checkpointing": model.is_gradient_checkpointing,
-        "checkpointed": sum(isinstance(m, CheckpointWrapper) for m in model.modules()),
-        "offload": sorted({type(g.offload_policy).__name__ for g in groups}),
-        "reshard": sorted({g.post_forward_mesh_info is not None for g in groups}),
-        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
-        "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
-    }
-
-
-class _SummaryWriter:
-    """Stands in for TensorBoard's when it is not installed: metrics.tensorboard then still shows whether
-    the recipe asked for a writer, and what it wrote."""
-
-    def __init__(self, log_dir: str):
-        os.makedirs(log_dir, exist_ok=True)
-        self.file = open(os.path.join(log_dir, "scalars.txt"), "a")
-
-    def add_scalar(self, tag, value, step):
-        self.file.write(f"{tag} {step} {value}\n")
-
-    def close(self):
-        self.file.close()
-
-
-class _ReachedTheProcessGroup(Exception):
-    pass
-
-
-def _run_one(module, script: str, argv: list[str], until_group: bool) -> dict:
-    import torch.distributed as dist
-
-    from common.config import ConfigError
-    from common.mesh import init_distributed, resolve_device
-
-    out = {"error": None, "before_group": None, "layout": {}}
-    if until_group:  # what init_distributed checks, then stop: the rest is the run itself
-
-        def stop_at_the_process_group(device_preference, timeout_minutes):
-            resolve_device(device_preference)
-            raise _ReachedTheProcessGroup
-
-        module.init_distributed = stop_at_the_process_group
-    captured = io.StringIO()
-    original = getattr(module, "apply_fsdp", None)
-    if original is not None:
-
-        def apply_fsdp(model, *args, **kwargs):
-            counts = original(model, *args, **kwargs)
-            out["layout"] = _layout(model, counts)
-            forwards = out["layout"]["forwards"] = []  # each forward's batch shape
-
-            def count(module, args, kwargs):
-                ids = kwargs.get("input_ids", args[0] if args else None)
-                forwards.append(list(ids.shape) if ids is not None else None)
-
-            model.register_forward_pre_hook(count, with_kwargs=True)
-            return counts
-
-        module.apply_fsdp = apply_fsdp
-    try:
-        with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
-            if script == "tpu_xla_fsdp":  # its main() needs torch_xla: what it checks before that
-                cfg = module.parse_args(argv)
-                module.xla_settings(cfg.fsdp)
-                module.check_xla_config(cfg, 4)
-                module.wrap_plan(module.build_model(cfg), cfg.fsdp, cfg.fsdp.xla_fsdp_grad_ckpt)
-            else:
-                module.main(argv)
-    except _ReachedTheProcessGroup:
-        pass
-    except ConfigError as error:
-        out["error"], out["before_group"] = f"config error: {error}", not dist.is_initialized()
-    except Exception as error:  # noqa: BLE001 - a crash is a finding, reported with its traceback
-        out["error"] = f"crash: {type(error).__name__}: {error}\n{traceback.format_exc()[-3000:]}"
-    finally:
-        if original is not None:
-            module.apply_fsdp = original
-        if hasattr(module, "init_distributed"):
-            module.init_distributed = init_distributed
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    out["out"] = captured.getvalue()
-    return out
-
-
-def _run_plan(plan_path: str, out_path: str) -> None:
-    try:
-        import torch.utils.tensorboard  # noqa: F401
-    except ImportError:
-        import types
-
-        sys.modules["torch.utils.tensorboard"] = types.SimpleNamespace(SummaryWriter=_SummaryWriter)
-    with open(plan_path) as f:
-        plan = json.load(f)
-    modules, results = {}, {}
-    for item in plan:
-        script, run_dir = item["script"], item["dir"]
-        module = modules.setdefault(script, _load(script))
-        if item.get("copy_from"):  # a run that starts where another one ended (checkpoint.resume)
-            shutil.copytree(results[item["copy_from"]]["dir"], run_dir)
-        argv = item["argv"]
-        words = ["--config", argv[0], f"checkpoint.dir={run_dir}", *argv[1:]]
-        out = _run_one(module, script, words, item["until_group"])
-        out["dir"] = run_dir
-        watched = item["watch"]
-        out["watched"] = sorted(os.listdir(watched)) if watched and os.path.isdir(watched) else None
-        out["files"] = sorted(
-            os.path.relpath(os.path.join(root, name), run_dir)
-            for root, _, names in os.walk(run_dir)
-            for name in names
-        )
-        out["records"] = []
-        if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-            with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-                out["records"] = [json.loads(line) for line in f]
-        out["results"] = None
-        if os.path.exists(os.path.join(run_dir, "eval_results.json")):
-            with open(os.path.join(run_dir, "eval_results.json")) as f:
-                out["results"] = json.load(f)
-        results[item["id"]] = out
-    with open(out_path, "w") as f:
-        json.dump(results, f)
-    sys.stdout.flush()
-    os._exit(0)  # gloo's threads of the runs above may still hold tensors: no interpreter teardown
-
-
-if __name__ == "__main__":
-    _run_plan(*sys.argv[1:3])

@@ -131,7 +131,7 @@ def test_activation_checkpointing_offload_moves_each_checkpointed_layers_input_t
     from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as ac
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from common.wrap import checkpoint_layers
+    from common.activation_checkpointing import checkpoint_layers
 
     torch.manual_seed(0)
     config = LlamaConfig(

@@ -158,7 +158,7 @@ import torch, torch.distributed as dist
 from common import lora
 from common.config import Config, FsdpConfig, LoraConfig, ModelConfig
 from common.mesh import build_dp_mesh
-from common.architectures import init_buffers
+from common.model import init_buffers
 from common.model import build_meta_model, load_model_config
 from common.ops.cli import end_process
 from common.optim import build_optimizer

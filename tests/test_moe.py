@@ -323,6 +323,18 @@ def test_fsdp_keys_keep_the_math_and_sharded_export_reloads(tmp_path, qwen, refe
     )
 
 
+def test_sync_each_batch_reduce_scatters_every_micro_batch_with_the_same_losses(tmp_path, qwen):
+    """8 sequences / 2 data-parallel ranks / micro-batch 2: 2 micro-batches a step. train.sync_each_batch
+    reduce-scatters after each, twice the calls and bytes of once per step, to the same gradients."""
+    two_micro = ["parallelism.ep_size=2", "train.steps=2", "metrics.comm_stats=true"]
+    two_micro.append("checkpoint.export=false")
+    once = finetune(tmp_path / "once", qwen, *two_micro, nproc=2)
+    each = finetune(tmp_path / "each", qwen, *two_micro, "train.sync_each_batch=true", nproc=2)
+    assert [r["loss"] for r in steps(each)] == pytest.approx([r["loss"] for r in steps(once)], abs=1e-6)
+    for key in ("reduce_scatter_calls", "reduce_scatter_bytes"):
+        assert [r[key] for r in steps(each)] == [2 * r[key] for r in steps(once)], key
+
+
 def test_bf16_mixed_precision_and_no_wrap(tmp_path, qwen, reference):
     records = finetune(
         tmp_path,

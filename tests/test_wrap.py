@@ -9,10 +9,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig
 
-from common.architectures import init_buffers
 from common.config import ConfigError, FsdpConfig, ModelConfig
 from common.mesh import build_dp_mesh
-from common.model import build_meta_model, init_weights, load_model_config
+from common.model import build_meta_model, init_buffers, init_weights, load_model_config
 from common.wrap import apply_fsdp, reshard, resolve_layer_classes
 
 LAYERS = 3

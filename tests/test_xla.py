@@ -12,11 +12,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from common.config import ConfigError, FsdpConfig
 from common.ops.config_sources import load_config
-from launch import REPO, env, event, losses, pretrain, read_metrics, run
+from launch import REPO, XLA_PYTHON, env, event, losses, pretrain, read_metrics, run, xla_unavailable
 
 DEBUG_TPU = os.path.join(REPO, "configs", "debug_tpu.json")
-XLA_PYTHON = os.environ.get("XLA_PYTHON", os.path.expanduser("~/.cache/fsdp2-recipes/xla-venv/bin/python"))
-XLA_UNAVAILABLE = os.path.expanduser("~/.cache/fsdp2-recipes/xla-venv.failed")  # written by .ci/run
 
 spec = importlib.util.spec_from_file_location(
     "tpu_xla_fsdp", os.path.join(REPO, "scripts", "tpu_xla_fsdp.py")
@@ -140,8 +138,7 @@ def test_misplaced_xla_config_is_one_line_and_exit_2(tmp_path, script, overrides
 
 def xla_run(run_dir, *overrides: str) -> list[dict]:
     if not os.path.exists(XLA_PYTHON):
-        reason = open(XLA_UNAVAILABLE).read().strip() if os.path.exists(XLA_UNAVAILABLE) else "not created"
-        pytest.skip(f"no PyTorch/XLA environment at {XLA_PYTHON} ({reason}); see docs/tpu.md")
+        pytest.skip(xla_unavailable())
     cmd = [
         XLA_PYTHON,
         os.path.join(REPO, "scripts", "tpu_xla_fsdp.py"),

@@ -154,7 +154,7 @@ def export_on_rank0(model, out_dir: str, tokenizer, dtype, cfg) -> None:
         tmp = f"{out_dir}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         if has_adapters(model):
-            state = lora.merged(state, cfg.lora)
+            state = lora.merged_weights(state, cfg.lora)
         state = {k: v.to(dtype) for k, v in state.items()}
         model.save_pretrained(tmp, state_dict=state, max_shard_size=cfg.checkpoint.max_shard_size)
         export.save_model_config(model, tmp, tokenizer, dtype)

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from common import architectures, loss  # noqa: E402
+from common import loss  # noqa: E402
 
 PLANT = os.environ["FSDP2_RECIPES_PLANT"]
 
@@ -68,7 +68,7 @@ if __name__ == "__main__":
     if PLANT == "bias":
         loss.ChunkedCrossEntropy.apply = chunked_without_bias(loss.ChunkedCrossEntropy.apply)
     elif PLANT == "transform":
-        architectures.returns_head_output = lambda model: True
+        loss.returns_head_output = lambda model: True
     elif PLANT == "inplace":
         loss.compute_loss_in_output_layer = scaled_in_place(loss.compute_loss_in_output_layer)
     elif PLANT == "loss_function":

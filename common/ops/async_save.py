@@ -14,7 +14,13 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from common.checkpoint import CheckpointNotWritten, begin_save, complete_save, rng_key, tensor_state
+from common.checkpoint import (
+    CheckpointNotWritten,
+    begin_save,
+    complete_save,
+    model_and_optimizer_tensors,
+    own_rng_key,
+)
 from common.ops.metrics import MetricsLogger, checkpoint_record
 from common.optim import NonFiniteGradients
 
@@ -51,7 +57,7 @@ class BackgroundSaves:
         if self.writing is not None:  # one write at a time
             self._finish(wait=True)
         final = begin_save(run_dir, step)
-        state, _ = tensor_state(model, optimizer, rng_key())
+        state, _ = model_and_optimizer_tensors(model, optimizer, own_rng_key())
         if self.group is None:  # the writes' collectives run beside training's, so not in its group
             self.group = dist.new_group(backend="gloo")
         # One writer thread: DCP's extra threads report a failed write only to threading.excepthook, which

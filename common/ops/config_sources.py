@@ -86,7 +86,7 @@ def check_types(cfg: Config) -> None:
                 raise ConfigError(f"{path} is {value}; it must be > 0")
 
 
-def state_dict_type(value: Any) -> Any:
+def normalize_state_dict_type(value: Any) -> Any:
     """Upper-cased, Accelerate's FULL / SHARDED spelled out; unknown ones as given."""
     if not isinstance(value, str):
         return value
@@ -104,7 +104,7 @@ def parse_scalar(text: str) -> Any:
         return text
 
 
-def fill(obj, values: dict, prefix: str) -> None:
+def fill_fields(obj, values: dict, prefix: str) -> None:
     names = {f.name for f in dataclasses.fields(obj)}
     for key, value in values.items():
         if key not in names:
@@ -113,7 +113,7 @@ def fill(obj, values: dict, prefix: str) -> None:
         if not dataclasses.is_dataclass(current):
             setattr(obj, key, value)
         elif isinstance(value, dict):
-            fill(current, value, f"{prefix}{key}.")
+            fill_fields(current, value, f"{prefix}{key}.")
         else:
             raise ConfigError(f"'{prefix}{key}' must be an object, got {value!r}")
 
@@ -263,7 +263,7 @@ def _canonical(key: str, value: Any) -> Any:
     if key == "transformer_layer_cls_to_wrap":
         return class_names(value)
     if key == "state_dict_type":
-        return state_dict_type(value)
+        return normalize_state_dict_type(value)
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
     return value
@@ -300,7 +300,7 @@ def load_config(
     values = _read_json(path, "--config")
     cfg = Config()
     run_fsdp = values.pop("fsdp", {}) or {}
-    fill(cfg, values, "")
+    fill_fields(cfg, values, "")
     run_fsdp = normalize_fsdp_keys(run_fsdp, f"{path} (fsdp)", translation, external=False)
     fsdp_sources, parallelism_sources = [], []
     if fsdp_config:
@@ -318,7 +318,7 @@ def load_config(
         fsdp_sources.append((accelerate_config, _accelerate_fsdp(doc, accelerate_config, translation)))
     if launch_env := accelerate_launch_env(environ, translation):
         fsdp_sources.append((LAUNCH_ENV, launch_env))
-    fill(cfg.fsdp, _layer_sources(run_fsdp, fsdp_sources, "fsdp", changes), "fsdp.")
+    fill_fields(cfg.fsdp, _layer_sources(run_fsdp, fsdp_sources, "fsdp", changes), "fsdp.")
     if accelerate_config:
         block = doc.get("parallelism_config") or {}
         parallelism_sources.append((accelerate_config, accelerate_parallelism(block, accelerate_config)))
@@ -328,10 +328,10 @@ def load_config(
         exported = {k: v for k, v in environ.items() if k.startswith("PARALLELISM_CONFIG_")}
         parallelism_sources.append((LAUNCH_ENV, accelerate_parallelism(exported, LAUNCH_ENV)))
     parallelism = _layer_sources(values.get("parallelism", {}), parallelism_sources, "parallelism", changes)
-    fill(cfg.parallelism, parallelism, "parallelism.")
+    fill_fields(cfg.parallelism, parallelism, "parallelism.")
     for item in overrides:
         apply_override(cfg, item, changes, translation)
-    cfg.fsdp.state_dict_type = state_dict_type(cfg.fsdp.state_dict_type)
+    cfg.fsdp.state_dict_type = normalize_state_dict_type(cfg.fsdp.state_dict_type)
     check_types(cfg)
     validate(cfg)
     return cfg

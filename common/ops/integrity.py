@@ -6,10 +6,14 @@ apart from a failure elsewhere. A file that cannot be read at all (OSError) is n
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import struct
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from common.config import ConfigError, ModelConfig
 from common.manifest import MANIFEST, checksum
@@ -167,6 +171,28 @@ def _unreadable_tensor(directory: str) -> str | None:
         except Exception as e:  # a format or unpickling error of any type: the bytes are damaged
             return f"{path} is unreadable at {index.fqn} ({type(e).__name__})"
     return None
+
+
+def what_failed(failed: BaseException) -> str:
+    """`Type: first line`; for DCP's CheckpointException, that of the exception it carries from the first
+    rank that failed, not its own text (every rank's traceback)."""
+    where = ""
+    if isinstance(failed, CheckpointException) and failed.failures:
+        rank, carried = min(failed.failures.items(), key=lambda item: item[0])
+        where, failed = f"rank {rank}: ", carried[0] if isinstance(carried, tuple) else carried
+    return f"{where}{type(failed).__name__}: {(str(failed).splitlines() or [''])[0]}"
+
+
+def damage_seen_by_rank0(path: str, checksums: bool) -> str | None:
+    """Rank 0 looks for damage in the checkpoint, every rank takes its finding. A look that fails (the
+    storage is still unreachable, memory) is no evidence."""
+    problem: list = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        with contextlib.suppress(Exception):
+            problem[0] = load_damage(path, checksums)
+    if dist.is_initialized():
+        dist.broadcast_object_list(problem, src=0)
+    return problem[0]
 
 
 def model_dir_damage(directory: str, checksums: bool = True) -> str | None:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from common.config import Config, FsdpConfig, resolve_mixed_precision
-from common.mesh import gather
+from common.mesh import gather_objects
 from common.ops.profiling import StepDiagnostics
 
 GIB = 2**30
@@ -283,8 +283,8 @@ def final_record(
     batch that the export must reproduce (None: not measured, e.g. on a stream)."""
     return {
         "event": "final",
-        "state_bytes_per_rank": gather(sharded_state_bytes(model, optimizer)),
-        "peak_mem_gib_per_rank": gather(peak_memory_bytes(device) / GIB),
+        "state_bytes_per_rank": gather_objects(sharded_state_bytes(model, optimizer)),
+        "peak_mem_gib_per_rank": gather_objects(peak_memory_bytes(device) / GIB),
         "fixed_batch_loss": fixed_batch_loss,
     }
 
@@ -300,6 +300,6 @@ def model_ready_record(
         "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)),
         "device": str(device),
         "mixed_precision": resolve_mixed_precision(fsdp, device.type),
-        "peak_mem_after_load_gib_per_rank": gather(peak_memory_bytes(device) / GIB),
+        "peak_mem_after_load_gib_per_rank": gather_objects(peak_memory_bytes(device) / GIB),
         **details,
     }

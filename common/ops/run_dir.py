@@ -89,14 +89,14 @@ def load_or_set_aside(path: str | None, c: CheckpointConfig, load, *state) -> tu
         except ConfigError:  # another model's checkpoint: a person must choose
             raise
         except (Exception, CheckpointException) as failed:  # DCP's is a BaseException, raised on every rank
-            error = _reason(failed)
+            error = integrity.what_failed(failed)
         try:  # one verdict: a rank whose own part loaded must not go on alone
             error = integrity.first_on_any_rank(error)
             if error is None:
                 return path, loaded
-            problem = _damage_seen_by_rank0(path, c.verify_checksums)
+            problem = integrity.damage_seen_by_rank0(path, c.verify_checksums)
         except Exception as failed:  # the collective itself failed (a rank died): no verdict, nothing moves
-            error, problem = error or _reason(failed), None
+            error, problem = error or integrity.what_failed(failed), None
         if problem is None:
             raise SystemExit(f"checkpoint {path} could not be loaded ({error}) and shows no damage; {RETRY}")
         if c.resume != "auto":
@@ -113,28 +113,6 @@ def load_or_set_aside(path: str | None, c: CheckpointConfig, load, *state) -> tu
             )
         path = find_resume_checkpoint(c.dir, "auto", c.verify_checksums)  # with none left, one line
     return None, {}
-
-
-def _reason(failed: BaseException) -> str:
-    """`Type: first line`; for DCP's CheckpointException, that of the exception it carries from the first
-    rank that failed, not its own text (every rank's traceback)."""
-    where = ""
-    if isinstance(failed, CheckpointException) and failed.failures:
-        rank, carried = min(failed.failures.items(), key=lambda item: item[0])
-        where, failed = f"rank {rank}: ", carried[0] if isinstance(carried, tuple) else carried
-    return f"{where}{type(failed).__name__}: {(str(failed).splitlines() or [''])[0]}"
-
-
-def _damage_seen_by_rank0(path: str, checksums: bool) -> str | None:
-    """Rank 0 looks for damage in the checkpoint, every rank takes its finding. A look that fails (the
-    storage is still unreachable, memory) is no evidence."""
-    problem: list = [None]
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        with contextlib.suppress(Exception):
-            problem[0] = integrity.load_damage(path, checksums)
-    if dist.is_initialized():
-        dist.broadcast_object_list(problem, src=0)
-    return problem[0]
 
 
 def _resume_checkpoint(run_dir: str, resume: str, checksums: bool) -> str | None:

@@ -127,10 +127,14 @@ def test_moe_fine_tuning_with_the_chunked_head_equals_the_plain_head(tmp_path):
             os.path.join(REPO, "configs", "debug_moe.json"),
             f"checkpoint.dir={tmp_path / name}",
         ]
-        run("finetune_moe_ep_fsdp.py", [*args, "train.steps=3", "checkpoint.export=false", chunk], nproc=0)
+        eval_chunk = chunk.replace("train.", "eval.")  # the held-out loss at step 0 and 3, chunked alike
+        words = ["train.steps=3", "checkpoint.export=false", "eval.interval=3", chunk, eval_chunk]
+        run("finetune_moe_ep_fsdp.py", [*args, *words], nproc=0)
         return read_metrics(tmp_path / name)
 
     plain, chunked = finetune("plain", PLAIN), finetune("chunked", CHUNKED)
+    held_out = [[r["eval_loss"] for r in records if r.get("event") == "eval"] for records in (chunked, plain)]
+    assert len(held_out[1]) == 2 and held_out[0] == pytest.approx(held_out[1], rel=1e-6), held_out
     for key in ("loss", "grad_norm", "router_aux_loss"):
         got, want = [r[key] for r in steps(chunked)], [r[key] for r in steps(plain)]
         assert all(abs(g - w) <= 1e-6 * abs(w) for g, w in zip(got, want)), (key, got, want)

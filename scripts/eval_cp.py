@@ -200,9 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     # Before scoring: the evaluation loss is Transformers' own on the first held-out rows.
     checked = loss_check.verify_loss_at_start(model, None, batches, d.device, cfg, None, attention)
     reset_peak_memory(d.device)
-    loaded = gather_objects(
-        peak_memory_bytes(d.device) / GIB
-    )  # right after the reset: what loading left behind
+    loaded = gather_objects(peak_memory_bytes(d.device) / GIB)  # after the reset: what loading left behind
 
     start_time = time.perf_counter()
     # Token-weighted over dp x cp: the cp shards partition each sequence, so no token counts twice.

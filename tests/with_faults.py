@@ -186,9 +186,7 @@ if __name__ == "__main__":
     dcp.FileSystemReader.read_data = timed_out_read(dcp.FileSystemReader.read_data)
     SafetensorsInPlace.write_regions = killed_mid_write(SafetensorsInPlace.write_regions)
     export_check.check_free_space = filled_after_the_check(export_check.check_free_space)
-    export.move_into_place = export_moved_into_place(
-        export.move_into_place
-    )  # the export's, not a checkpoint's
+    export.move_into_place = export_moved_into_place(export.move_into_place)  # not a checkpoint's
     os.replace, shutil.rmtree = killed_inside(os.replace, False), killed_inside(shutil.rmtree, True)
     sys.argv = sys.argv[1:]  # the script to run, then its own arguments
     runpy.run_path(sys.argv[0], run_name="__main__")

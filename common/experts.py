@@ -15,6 +15,7 @@ from contextlib import ExitStack
 import torch
 from safetensors import safe_open
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
@@ -140,3 +141,17 @@ def whole_experts(weight: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 def split_within_experts(tensor: torch.Tensor) -> bool:
     """FSDP splits this fused expert weight on a dim other than the experts' (fewer experts than ranks)."""
     return isinstance(tensor, DTensor) and any(isinstance(p, Shard) and p.dim > 0 for p in tensor.placements)
+
+
+def split_experts_over(mesh: DeviceMesh):
+    """FSDP2 splits dim 0, here the rank's experts. With fewer of them than ranks to split over (Mixtral's 8
+    experts at ep 8 on 16 GPUs: 1 expert, 2 ranks), some ranks would hold all the expert weights and the
+    others none; split a weight dim instead."""
+
+    def placement(param: nn.Parameter) -> Shard:
+        shape = param.to_local().shape if isinstance(param, DTensor) else param.shape  # EP: this rank's
+        if shape[0] >= mesh.size():
+            return Shard(0)
+        return Shard(max(range(len(shape)), key=lambda dim: shape[dim]))
+
+    return placement

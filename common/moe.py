@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
 from transformers import DistributedConfig
 from transformers.distributed.expert_parallel import apply_expert_parallelism
 from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
@@ -165,17 +164,3 @@ def router_load(router_logits: tuple[torch.Tensor, ...], top_k: int, valid: torc
         chosen = logits.detach()[valid.flatten()].topk(top_k, dim=-1).indices
         counts.append(torch.bincount(chosen.flatten(), minlength=logits.shape[-1]))
     return torch.stack(counts)
-
-
-def split_experts_over(mesh: DeviceMesh):
-    """FSDP2 splits dim 0, here the rank's experts. With fewer of them than ranks to split over (Mixtral's 8
-    experts at ep 8 on 16 GPUs: 1 expert, 2 ranks), some ranks would hold all the expert weights and the
-    others none; split a weight dim instead."""
-
-    def placement(param: nn.Parameter) -> Shard:
-        shape = param.to_local().shape if isinstance(param, DTensor) else param.shape  # EP: this rank's
-        if shape[0] >= mesh.size():
-            return Shard(0)
-        return Shard(max(range(len(shape)), key=lambda dim: shape[dim]))
-
-    return placement

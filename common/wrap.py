@@ -153,7 +153,7 @@ def apply_fsdp(
         reshard_after_forward=fsdp.reshard_after_forward, mp_policy=mp_policy, offload_policy=offload
     )
     for module in experts:  # the MoE recipe's (common/moe.py)
-        from common.moe import split_experts_over
+        from common.experts import split_experts_over
 
         fully_shard(module, mesh=expert_mesh, shard_placement_fn=split_experts_over(expert_mesh), **kwargs)
     units = plan_units(model, fsdp, layer_classes, set(experts))

@@ -61,6 +61,7 @@ class KeysGiven:
     def __init__(self, proven: dict[str, set[str]]) -> None:
         self.proven = proven  # "tests/test_x.py::test_name" -> (recipe, key) it is named as the proof of
         self.given: dict[str, set] = {}  # "fixture <name>" or a test's node id -> (recipe, key) it gave
+        self.given_by_test: dict[str, set] = {}  # a named test -> what all its cases gave
         self.who: list[str] = []
         self.original_init = subprocess.Popen.__init__
 
@@ -96,16 +97,15 @@ class KeysGiven:
         if test not in self.proven or item.config.getoption("markexpr") or item.config.getoption("keyword"):
             return result  # a run of some cases only (-m compat, -k) may leave out the ones that give a key
         # A parametrized test gives its keys across its cases: checked as its last case here ends.
-        given = self.given.setdefault(test, set())
+        given = self.given_by_test.setdefault(test, set())
         given |= self.given.get(item.nodeid, set())
         for fixture in item.fixturenames:
             given |= self.given.get(f"fixture {fixture}", set())
         cases = [i for i in item.session.items if i.path == item.path and i.originalname == item.originalname]
         if cases and cases[-1] is not item:
             return result
-        needed = sorted(self.proven[test])
-        missing = [f"{recipe}.py's {key}" for recipe, key in needed if (recipe, key) not in given]
-        missing = [m for m in missing if not built_in_process(test, m.rsplit(" ", 1)[1])]
+        needed = sorted(self.proven[test] - given)
+        missing = [f"{recipe}.py's {key}" for recipe, key in needed if not built_in_process(test, key)]
         assert not missing, (
             f"tests/test_every_key.py names {test} as the proof of {', '.join(missing)}, but it never "
             f"gives that recipe the key: set it in the test, or name another test"

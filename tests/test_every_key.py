@@ -816,7 +816,7 @@ def _show(run: dict | None) -> str:
     return f"error: {run['error']}\n...{run['out'][-1500:]}"
 
 
-def _test_source(test: str) -> tuple[str, str]:
+def _test_source(test: str) -> str:
     path, name = test.split("::")
     with open(os.path.join(REPO, path)) as f:
         text = f.read()
@@ -825,7 +825,7 @@ def _test_source(test: str) -> tuple[str, str]:
     )
     assert node is not None, f"{test} does not exist"
     start = min([node.lineno] + [decorator.lineno for decorator in node.decorator_list])
-    return text, "\n".join(text.splitlines()[start - 1 : node.end_lineno])  # with its decorators
+    return "\n".join(text.splitlines()[start - 1 : node.end_lineno])  # with its decorators
 
 
 @pytest.mark.parametrize("key", sorted(BAD_VALUES))
@@ -847,7 +847,7 @@ def test_every_key_acts_or_errors(script, key, results):
         pytest.skip(skipped)
     if isinstance(entry, ProvenBy):  # and tests/keys_given.py fails that test if it never gives the key
         assert entry.on in (None, *TABLES), entry.on
-        _, source = _test_source(entry.test)
+        source = _test_source(entry.test)
         assert not re.search(r"pytest\.mark\.(skip|xfail)", source), f"{entry.test} does not run"
     elif isinstance(entry, Refused):
         named = key.split(".")[-1] in run["error"] if run["error"] else False  # "fsdp.a / b are set" names b

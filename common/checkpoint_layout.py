@@ -15,7 +15,6 @@ from collections.abc import Iterator
 
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
     WeightConverter,
@@ -29,8 +28,7 @@ from common.config import ConfigError
 from common.model import base_name
 
 INDEX = "model.safetensors.index.json"
-SCALE_SUFFIX = "_scale_inv"  # FP8 weights: `<weight key>_scale_inv`, beside the weight
-MXFP4 = ("_blocks", "_scales")  # MXFP4 experts (gpt-oss): `<weight key>_blocks` and `<weight key>_scales`
+QUANTIZED = ("_scale_inv", "_blocks", "_scales")  # FP8 scales, MXFP4 blocks: common/quantized.py's keys
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -73,18 +71,13 @@ def checkpoint_layout(model: nn.Module, path: str, ours: dict) -> Layout:
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
-    scale_keys = {}
-    for key in sorted(located, key=dot_natural_key):  # Transformers' order: expert 2 before expert 10
-        if key.endswith(SCALE_SUFFIX) and key.removesuffix(SCALE_SUFFIX) in located:
-            scale_keys[key.removesuffix(SCALE_SUFFIX)] = key
-            continue
-        weight = key.rsplit("_", 1)[0]
-        if key.endswith(MXFP4) and {weight + suffix for suffix in MXFP4} <= located.keys():
-            if key.endswith(MXFP4[0]):  # our name is the weight's, as Transformers' Mxfp4Dequantize loads it
-                blocks, scales = (weight + suffix for suffix in MXFP4)
-                name = rename_source_key(weight, renamings, converters)[0]
-                layout.mxfp4[name] = ((blocks, located[blocks][0]), (scales, located[scales][0]))
-            continue
+    keys = sorted(located, key=dot_natural_key)  # Transformers' order: expert 2 before expert 10
+    quantized = any(key.endswith(QUANTIZED) for key in keys)
+    if quantized:  # a quantized release's scales and blocks are read beside their weights
+        from common.quantized import attach_fp8_scales, set_aside_quantized_keys
+
+        keys, scale_keys = set_aside_quantized_keys(layout, located, keys, renamings, converters)
+    for key in keys:
         name, pattern = rename_source_key(key, renamings, converters)
         if pattern is None:
             layout.names[name] = key
@@ -96,19 +89,8 @@ def checkpoint_layout(model: nn.Module, path: str, ours: dict) -> Layout:
                 return layout
             _, sources = layout.fused.setdefault(name, (by_pattern[pattern], {}))
             sources.setdefault(pattern, []).append((key, located[key][0]))
-    fp8 = {key: scale_keys.pop(key) for key in list(scale_keys) if located[key][1] == "F8_E4M3"}
-    for name, key in layout.names.items():
-        if key in fp8:
-            scale = fp8.pop(key)
-            layout.scales[name] = (scale, located[scale][0])
-    layout.expert_scales = {key: (scale, located[scale][0]) for key, scale in fp8.items()}
-    if scale_keys:  # packed FP4 weights (MXFP4's blocks and E8M0 scales, say)
-        key = next(iter(scale_keys))
-        raise ConfigError(
-            f"model.name_or_path {path!r}: {key} ({located[key][1]}) has block scales, which the recipes "
-            f"dequantize only for F8_E4M3 weights; dequantize it with Transformers first "
-            f"(from_pretrained with dtype=torch.bfloat16, then save_pretrained)"
-        )
+    if quantized:
+        attach_fp8_scales(layout, located, scale_keys, path)
     aliases = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(parameter, []).append(base_name(name))
@@ -133,21 +115,14 @@ def checkpoint_layout(model: nn.Module, path: str, ours: dict) -> Layout:
 
 
 def conversion_mapping(model: nn.Module) -> list:
-    """Transformers' weight renames for the model. fully_shard's classes (FSDPGemma3ForConditionalGeneration)
-    are custom code to Transformers, which then skips the root's renames and scopes them under the base model.
-    An image-text release needs the root's (Gemma 3's language_model.model -> model.language_model), so its
-    lookup sees the classes as built; text models keep the lookup their per-rank loading was tested with
-    (DeepSeek-V4's release names load only so: tests/test_checkpoints_as_released.py)."""
-    if not is_image_text(model.config):
-        return get_model_conversion_mapping(model)
-    sharded = [(module, type(module)) for module in model.modules() if isinstance(module, FSDPModule)]
-    for module, cls in sharded:
-        module.__class__ = cls.__mro__[cls._orig_cls_mro_index]
-    try:
-        return get_model_conversion_mapping(model)
-    finally:
-        for module, cls in sharded:
-            module.__class__ = cls
+    """Transformers' weight renames for the model (an image-text release's: common/image_text.py). Text
+    models keep the lookup their per-rank loading was tested with (DeepSeek-V4's release names load only so:
+    tests/test_checkpoints_as_released.py)."""
+    if is_image_text(model.config):
+        from common.image_text import conversion_mapping_as_built
+
+        return conversion_mapping_as_built(model)
+    return get_model_conversion_mapping(model)
 
 
 def keep_release_names(model: nn.Module, path: str, ours: dict) -> None:

@@ -14,6 +14,7 @@ except ImportError:
     from torch.distributed._functional_collectives import all_gather_tensor as all_gather
     from torch.distributed._functional_collectives import all_gather_tensor_autograd as all_gather_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.experimental import context_parallel
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, PretrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -118,6 +119,16 @@ def allgather_kv_attention(module, query, key, value, attention_mask, dropout=0.
 def torch_cp_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Inside torch's context_parallel SDPA becomes ring attention, which needs is_causal and no mask."""
     return sdpa_attention_forward(module, query, key, value, None, dropout, scaling, is_causal=True)
+
+
+def score_with_torch_cp(score, input_ids: torch.Tensor, labels: torch.Tensor, cp_state: CpState):
+    """`score` (common/evaluate.py) under torch's ring attention: torch shards the three buffers in place."""
+    position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).repeat(len(input_ids), 1)
+    buffers = [input_ids, labels, position_ids]
+    with context_parallel(
+        cp_state.mesh["cp"], buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)
+    ):
+        return score(labels, input_ids=input_ids, position_ids=position_ids)
 
 
 def shard_positions(seq_len: int, cp_size: int, cp_rank: int, load_balance: bool) -> torch.Tensor:

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.experimental import context_parallel
 
 from common.loss import token_loss_sum
 
@@ -71,12 +70,8 @@ def score_shard(model, batch, device, cp_state: CpState | None, attention: str, 
     score = partial(token_loss_sum, model, count_correct=True, chunk_tokens=chunk, use_cache=False)
     if cp_state is None:
         return score(labels, **inputs)
-    if attention == "torch_cp":  # torch shards the three buffers in place, then runs ring attention
-        position_ids = torch.arange(input_ids.shape[1], device=device).repeat(len(input_ids), 1)
-        buffers = [input_ids, labels, position_ids]
-        mesh = cp_state.mesh["cp"]
-        with context_parallel(
-            mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)
-        ):
-            return score(labels, input_ids=input_ids, position_ids=position_ids)
+    if attention == "torch_cp":  # eval.attention on CUDA: torch's ring attention
+        from common.cp import score_with_torch_cp
+
+        return score_with_torch_cp(score, input_ids, labels, cp_state)
     return score(cp_state.shard(labels), **cp_state.shard_inputs(input_ids, position_ids))

@@ -18,33 +18,22 @@ from transformers.core_model_loading import build_glob_alternation, revert_weigh
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from common import export_check, manifest
+from common.architectures import is_image_text
 from common.checkpoint_layout import INDEX, keep_release_names
 from common.config import Config, resolve_mixed_precision
 from common.load_weights import base_weights, is_sharded_export
 from common.model import base_state, has_adapters
 from common.safetensors_writer import SafetensorsInPlace, safetensors_layout
 
-# What a processor needs beside the tokenizer, as AutoProcessor.save_pretrained writes it.
-PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
-PROCESSOR_FILES += ("chat_template.json", "chat_template.jinja")
-
 
 def save_config(out_dir: str, model_config, tokenizer) -> None:
     model_config.save_pretrained(out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
-    copy_processor_files(getattr(model_config, "name_or_path", None), out_dir)
+    if is_image_text(model_config):  # and its processor's files
+        from common.image_text import copy_processor_files
 
-
-def copy_processor_files(source: str | None, out_dir: str) -> None:
-    """The release's processor files (image sizes, the chat template) into the export beside the
-    tokenizer's, so that AutoProcessor loads the export as it loaded the release. What the tokenizer wrote
-    (its own chat template, from data.tokenizer) is kept."""
-    if not source or not os.path.isdir(source):
-        return
-    for name in PROCESSOR_FILES:
-        if os.path.isfile(os.path.join(source, name)) and not os.path.exists(os.path.join(out_dir, name)):
-            shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))
+        copy_processor_files(model_config.name_or_path, out_dir)
 
 
 def finish_export(tmp: str, out_dir: str, known: dict | None = None) -> None:

@@ -5,13 +5,21 @@ data only the language model is trained; the vision side is frozen by default (d
 
 from __future__ import annotations
 
+import os
+import shutil
+
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from transformers.conversion_mapping import get_model_conversion_mapping
 
 from common.config import ConfigError, ModelConfig
 
 # Transformers' names for the module that maps image features into the language model's embeddings
 # (LLaMA-Factory's projector keys): Gemma 3, Llama 4, Mistral 3; Qwen-VL's visual.merger; Gemma 4.
 PROJECTORS = ("multi_modal_projector", "merger", "embed_vision")
+# What a processor needs beside the tokenizer, as AutoProcessor.save_pretrained writes it.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+PROCESSOR_FILES += ("chat_template.json", "chat_template.jinja")
 
 
 def vision_parameters(model: nn.Module) -> tuple[list[str], list[str]]:
@@ -43,3 +51,29 @@ def freeze_vision(model: nn.Module, cfg: ModelConfig, image_text: bool) -> None:
     frozen += projector if cfg.freeze_multi_modal_projector else []
     for name in frozen:
         model.get_parameter(name).requires_grad_(False)
+
+
+def conversion_mapping_as_built(model: nn.Module) -> list:
+    """Transformers' weight renames for a release. fully_shard's classes (FSDPGemma3ForConditionalGeneration)
+    are custom code to Transformers, which then skips the root's renames and scopes them under the base model.
+    A release needs the root's (Gemma 3's language_model.model -> model.language_model), so the lookup sees
+    the classes as built."""
+    sharded = [(module, type(module)) for module in model.modules() if isinstance(module, FSDPModule)]
+    for module, cls in sharded:
+        module.__class__ = cls.__mro__[cls._orig_cls_mro_index]
+    try:
+        return get_model_conversion_mapping(model)
+    finally:
+        for module, cls in sharded:
+            module.__class__ = cls
+
+
+def copy_processor_files(source: str | None, out_dir: str) -> None:
+    """The release's processor files (image sizes, the chat template) into the export beside the
+    tokenizer's, so that AutoProcessor loads the export as it loaded the release. What the tokenizer wrote
+    (its own chat template, from data.tokenizer) is kept."""
+    if not source or not os.path.isdir(source):
+        return
+    for name in PROCESSOR_FILES:
+        if os.path.isfile(os.path.join(source, name)) and not os.path.exists(os.path.join(out_dir, name)):
+            shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))

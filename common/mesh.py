@@ -92,11 +92,9 @@ def build_dp_mesh(device_type: str, dp_replicate: int, dp_shard: int) -> DeviceM
 def build_meshes(
     device_type: str, dp_replicate: int, dp_shard: int, tp: int
 ) -> tuple[DeviceMesh, DeviceMesh | None]:
-    """(the mesh FSDP shards over, the tensor-parallel mesh or None). One (dp_replicate, dp_shard, tp) mesh
-    with tp innermost: a tensor-parallel group is adjacent ranks, within a node; its ranks hold the same
-    batch."""
+    """(the mesh FSDP shards over, the tensor-parallel mesh or None: common/tp.py's, where tp > 1)."""
     if tp == 1:
         return build_dp_mesh(device_type, dp_replicate, dp_shard), None
-    names = ("dp_replicate", "dp_shard", "tp")
-    mesh = init_device_mesh(device_type, (dp_replicate, dp_shard, tp), mesh_dim_names=names)
-    return (mesh["dp_shard"] if dp_replicate == 1 else mesh[("dp_replicate", "dp_shard")]), mesh["tp"]
+    from common.tp import build_tp_meshes
+
+    return build_tp_meshes(device_type, dp_replicate, dp_shard, tp)

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 from transformers import FineGrainedFP8Config, Mxfp4Config, PretrainedConfig
+from transformers.core_model_loading import rename_source_key
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from common.config import ConfigError
@@ -37,6 +38,51 @@ def check_quantization(hf_config: PretrainedConfig, source: str | None) -> None:
         f"block-quantized FP8 and MXFP4); dequantize it with Transformers first (from_pretrained with "
         f"dtype=torch.bfloat16, then save_pretrained) and give that directory, or the unquantized release"
     )
+
+
+SCALE_SUFFIX = "_scale_inv"  # FP8 weights: `<weight key>_scale_inv`, beside the weight
+MXFP4 = ("_blocks", "_scales")  # MXFP4 experts (gpt-oss): `<weight key>_blocks` and `<weight key>_scales`
+
+
+def set_aside_quantized_keys(
+    layout, located: dict, keys: list[str], renamings: list, converters: list
+) -> tuple[list[str], dict]:
+    """For checkpoint_layout: `keys` less the quantized weights' companions, and {an FP8 weight's key: its
+    scales' key}. An MXFP4 weight's blocks and scales go into `layout.mxfp4` under the weight's name, as
+    Transformers' Mxfp4Dequantize loads it. `located`: {key: (its file, its dtype)}."""
+    plain, scale_keys = [], {}
+    for key in keys:
+        if key.endswith(SCALE_SUFFIX) and key.removesuffix(SCALE_SUFFIX) in located:
+            scale_keys[key.removesuffix(SCALE_SUFFIX)] = key
+            continue
+        weight = key.rsplit("_", 1)[0]
+        if key.endswith(MXFP4) and {weight + suffix for suffix in MXFP4} <= located.keys():
+            if key.endswith(MXFP4[0]):
+                blocks, scales = (weight + suffix for suffix in MXFP4)
+                name = rename_source_key(weight, renamings, converters)[0]
+                layout.mxfp4[name] = ((blocks, located[blocks][0]), (scales, located[scales][0]))
+            continue
+        plain.append(key)
+    return plain, scale_keys
+
+
+def attach_fp8_scales(layout, located: dict, scale_keys: dict, path: str) -> None:
+    """Each F8_E4M3 weight's scales into `layout`: a weight's under our name (`scales`), an expert's under
+    its key (`expert_scales`: Transformers fuses experts as it loads). Block scales of any other dtype (packed
+    FP4) are one line."""
+    fp8 = {key: scale_keys.pop(key) for key in list(scale_keys) if located[key][1] == "F8_E4M3"}
+    for name, key in layout.names.items():
+        if key in fp8:
+            scale = fp8.pop(key)
+            layout.scales[name] = (scale, located[scale][0])
+    layout.expert_scales = {key: (scale, located[scale][0]) for key, scale in fp8.items()}
+    if scale_keys:
+        key = next(iter(scale_keys))
+        raise ConfigError(
+            f"model.name_or_path {path!r}: {key} ({located[key][1]}) has block scales, which the recipes "
+            f"dequantize only for F8_E4M3 weights; dequantize it with Transformers first "
+            f"(from_pretrained with dtype=torch.bfloat16, then save_pretrained)"
+        )
 
 
 def dequantizing(path: str) -> dict:

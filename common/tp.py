@@ -6,13 +6,23 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from transformers import DistributedConfig
 from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
 from common.config import ConfigError
 
 GRAD_ALL_REDUCE = "replicated_with_grad_allreduce"  # TP style of Qwen3's q_norm/k_norm: partial gradients
+
+
+def build_tp_meshes(
+    device_type: str, dp_replicate: int, dp_shard: int, tp: int
+) -> tuple[DeviceMesh, DeviceMesh]:
+    """(the mesh FSDP shards over, the tensor-parallel mesh): one (dp_replicate, dp_shard, tp) mesh with tp
+    innermost, so a tensor-parallel group is adjacent ranks, within a node; its ranks hold the same batch."""
+    names = ("dp_replicate", "dp_shard", "tp")
+    mesh = init_device_mesh(device_type, (dp_replicate, dp_shard, tp), mesh_dim_names=names)
+    return (mesh["dp_shard"] if dp_replicate == 1 else mesh[("dp_replicate", "dp_shard")]), mesh["tp"]
 
 
 def parallel_plans(model: nn.Module, layout: DistributedConfig) -> tuple[dict, dict]:

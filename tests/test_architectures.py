@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto import image_processing_auto
 
 import launch
-from common import export, image_text
+from common import image_text
 from common.architectures import auto_class
 from common.config import ConfigError, ModelConfig
 from common.model import build_meta_model, init_buffers, load_model_config
@@ -242,7 +242,7 @@ def test_an_image_text_release_trains_its_language_model_and_exports_the_whole_r
     assert all(not torch.equal(exported[name], trained[name]) for name in language if "norm" not in name)
     assert type(after) is type(before)
     assert safetensors_keys(full_dir / "export") == safetensors_keys(release)
-    shipped = [name for name in export.PROCESSOR_FILES if (release / name).exists()]
+    shipped = [name for name in image_text.PROCESSOR_FILES if (release / name).exists()]
     assert "preprocessor_config.json" in shipped or "processor_config.json" in shipped
     for name in shipped:
         assert (full_dir / "export" / name).read_bytes() == (release / name).read_bytes(), name

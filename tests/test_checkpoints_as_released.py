@@ -48,6 +48,8 @@ PER_ARCH["deepseek_v3"] = dict(
 )  # fmt: skip
 BLOCK = 32  # FP8 blocks of 32 x 32 (releases: 128 x 128) on 64-wide layers
 
+WHOLE_LOAD = "loading it whole through from_pretrained"  # common/load_weights.py: a release not read per rank
+
 
 def release(path, arch: str, **extra) -> str:
     """A tiny random release of `arch`: every bias non-zero, a tokenizer of its own."""
@@ -198,6 +200,7 @@ def test_an_fp8_release_is_dequantized_bit_for_bit_as_transformers_does_and_expo
     fp32 model without quantization_config that Transformers loads."""
     done = finetune(tmp_path / "run", releases["fp8"], "train.steps=0", nproc=2, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert WHOLE_LOAD not in done.stderr, done.stderr[-3000:]  # each rank read its share
     expected = AutoModelForCausalLM.from_pretrained(releases["fp8"], dtype=torch.float32).state_dict()
     export = str(tmp_path / "run" / "export")
     with open(os.path.join(export, "config.json")) as f:
@@ -250,7 +253,8 @@ def test_an_fp8_moe_release_is_dequantized_per_expert_bit_for_bit(tmp_path):
     quantize_fp8(source)
     args = ["--config", os.path.join(REPO, "configs", "debug_moe.json"), f"model.name_or_path={source}"]
     args += ["model.config={}", f"checkpoint.dir={tmp_path / 'run'}", "train.steps=0", "eval.interval=0"]
-    run("finetune_moe_ep_fsdp.py", [*args, "parallelism.ep_size=2"], nproc=2)
+    ep = run("finetune_moe_ep_fsdp.py", [*args, "parallelism.ep_size=2"], nproc=2)
+    assert WHOLE_LOAD not in ep.stderr, ep.stderr[-3000:]  # each rank read its own experts
     expected = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).state_dict()
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "export", dtype=torch.float32).state_dict()
     assert ours.keys() == expected.keys()
@@ -291,7 +295,9 @@ def test_an_mxfp4_release_is_dequantized_per_expert_bit_for_bit(tmp_path):
     assert "loss_at_start" in event(read_metrics(tmp_path / "dense"), "model_ready")
     args = ["--config", os.path.join(REPO, "configs", "debug_moe.json"), f"model.name_or_path={source}"]
     args += ["model.config={}", f"checkpoint.dir={tmp_path / 'ep'}", "train.steps=0", "eval.interval=0"]
-    run("finetune_moe_ep_fsdp.py", [*args, "parallelism.ep_size=2"], nproc=2)
+    ep = run("finetune_moe_ep_fsdp.py", [*args, "parallelism.ep_size=2"], nproc=2)
+    for done in (dense, ep):  # per rank, not from_pretrained's whole load (exact too)
+        assert WHOLE_LOAD not in done.stderr, done.stderr[-3000:]
     for export in (tmp_path / "dense" / "export", tmp_path / "ep" / "export"):
         with open(export / "config.json") as f:
             assert "quantization_config" not in json.load(f)

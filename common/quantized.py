@@ -19,6 +19,9 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from common.config import ConfigError
 from common.experts import local_box
 
+SCALE_SUFFIX = "_scale_inv"  # FP8 weights: `<weight key>_scale_inv`, beside the weight
+MXFP4 = ("_blocks", "_scales")  # MXFP4 experts (gpt-oss): `<weight key>_blocks` and `<weight key>_scales`
+
 
 def check_quantization(hf_config: PretrainedConfig, source: str | None) -> None:
     """A block-quantized FP8 or an MXFP4 config is dropped (the model is built, trained and exported
@@ -38,10 +41,6 @@ def check_quantization(hf_config: PretrainedConfig, source: str | None) -> None:
         f"block-quantized FP8 and MXFP4); dequantize it with Transformers first (from_pretrained with "
         f"dtype=torch.bfloat16, then save_pretrained) and give that directory, or the unquantized release"
     )
-
-
-SCALE_SUFFIX = "_scale_inv"  # FP8 weights: `<weight key>_scale_inv`, beside the weight
-MXFP4 = ("_blocks", "_scales")  # MXFP4 experts (gpt-oss): `<weight key>_blocks` and `<weight key>_scales`
 
 
 def set_aside_quantized_keys(

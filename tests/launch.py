@@ -13,6 +13,8 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "debug_tiny.json")
+# common/load_weights.py's line for a release it cannot read per rank: every rank then loads it whole.
+WHOLE_LOAD = "loading it whole through from_pretrained"
 
 
 # The PyTorch/XLA environment .ci/run builds (requirements-xla.txt); where it could not, why, in the file.

@@ -24,6 +24,7 @@ from common.ops.cli import checkpoint_tokenizer
 from common.quantized import dequantizing
 from launch import (
     REPO,
+    WHOLE_LOAD,
     anonymous_rises,
     event,
     host_memory_env,
@@ -47,8 +48,6 @@ PER_ARCH["deepseek_v3"] = dict(
     num_experts_per_tok=2, moe_intermediate_size=32, num_key_value_heads=4,
 )  # fmt: skip
 BLOCK = 32  # FP8 blocks of 32 x 32 (releases: 128 x 128) on 64-wide layers
-
-WHOLE_LOAD = "loading it whole through from_pretrained"  # common/load_weights.py: a release not read per rank
 
 
 def release(path, arch: str, **extra) -> str:

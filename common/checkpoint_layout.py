@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 from safetensors import safe_open
 from torch import nn
-from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping, get_model_conversion_mapping
 from transformers.core_model_loading import (
     WeightConverter,
     WeightRenaming,
@@ -81,14 +81,12 @@ def checkpoint_layout(model: nn.Module, path: str, ours: dict) -> Layout:
         name, pattern = rename_source_key(key, renamings, converters)
         if pattern is None:
             layout.names[name] = key
-        else:  # Transformers converts it as it loads: per-expert tensors it fuses are read per rank
-            from common.experts import stacks_experts
+        else:  # Transformers converts it as it loads: fused experts are read per rank (common/experts.py)
+            from common.experts import read_per_rank
 
-            if not stacks_experts(by_pattern[pattern]):
+            if not read_per_rank(layout, by_pattern[pattern], pattern, key, located[key][0], name, ours):
                 layout.why_not = f"Transformers converts {key!r} as it loads"
                 return layout
-            _, sources = layout.fused.setdefault(name, (by_pattern[pattern], {}))
-            sources.setdefault(pattern, []).append((key, located[key][0]))
     if quantized:
         attach_fp8_scales(layout, located, scale_keys, path)
     aliases = {}
@@ -115,14 +113,15 @@ def checkpoint_layout(model: nn.Module, path: str, ours: dict) -> Layout:
 
 
 def conversion_mapping(model: nn.Module) -> list:
-    """Transformers' weight renames for the model (an image-text release's: common/image_text.py). Text
-    models keep the lookup their per-rank loading was tested with (DeepSeek-V4's release names load only so:
-    tests/test_checkpoints_as_released.py)."""
+    """Transformers' weight renames for the model (an image-text release's: common/image_text.py). A text
+    model's are looked up on the sharded classes, which scope its type's under the base model as DeepSeek-V4
+    needs; as the sharded root is custom code to it, its class's (GPT-NeoX's embed_out) are added here."""
     if is_image_text(model.config):
         from common.image_text import conversion_mapping_as_built
 
         return conversion_mapping_as_built(model)
-    return get_model_conversion_mapping(model)
+    root = get_checkpoint_conversion_mapping(type(model).__name__.removeprefix("FSDP")) or []
+    return root + get_model_conversion_mapping(model)
 
 
 def keep_release_names(model: nn.Module, path: str, ours: dict) -> None:

@@ -21,6 +21,7 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
     Concatenate,
     MergeModulelist,
+    Transpose,
     WeightConverter,
     revert_weight_conversion,
 )
@@ -38,11 +39,41 @@ def stacks_experts(converter: WeightConverter) -> bool:
     )
 
 
+def read_per_rank(
+    layout, converter: WeightConverter, pattern: str, key: str, file: str, name: str, ours: dict
+) -> bool:
+    """Whether `key` of `file`, which Transformers converts into our `name` as it loads, is read per rank; if
+    so it goes into `layout` (common/checkpoint_layout.py): tensors it stacks per expert, each rank fusing its
+    own experts' (load_own_experts), or a fused weight it transposes from another layout than the model's,
+    read as it is where it has the model's."""
+    if stacks_experts(converter):
+        _, sources = layout.fused.setdefault(name, (converter, {}))
+        sources.setdefault(pattern, []).append((key, file))
+        return True
+    if transposes_other_layouts(converter) and name in ours:
+        with safe_open(file, framework="pt") as f:
+            if f.get_slice(key).get_shape() == list(ours[name].shape):
+                layout.names[name] = key
+                return True
+    return False
+
+
+def transposes_other_layouts(converter: WeightConverter) -> bool:
+    """Transformers transposes a fused expert weight (Qwen3-VL-MoE's) that a release stores in another layout
+    than the model's, and leaves one in the model's layout as it is (Transpose's check_dims)."""
+    ops = converter.operations
+    return len(converter.source_patterns) == 1 and all(
+        isinstance(op, Transpose) and op.check_dims for op in ops
+    )
+
+
 def loads_whole(model: nn.Module) -> bool:
     """Transformers converts some of the model's checkpoint weights as it loads other than by stacking
-    experts, so a checkpoint holding them loads whole, through from_pretrained (the planner's figure)."""
+    experts, so a checkpoint holding them loads whole, through from_pretrained (the planner's figure). A
+    weight it transposes from another layout is taken to be in the model's, as save_pretrained writes it."""
     transforms = get_model_conversion_mapping(model)
-    return any(isinstance(t, WeightConverter) and not stacks_experts(t) for t in transforms)
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    return any(not (stacks_experts(t) or transposes_other_layouts(t)) for t in converters)
 
 
 def load_own_experts(model: nn.Module, ours: dict, fused: dict, dequantize: Callable | None = None) -> None:

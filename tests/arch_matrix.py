@@ -14,7 +14,8 @@ does, it writes under `OUT/<arch>/<run>/`:
   every parameter that got one (LoRA: the adapters');
 - `eval-rank<r>.pt`: this rank's held-out batches of the first evaluation and its result.
 A release with a processor also trains on the image-text records in `CHECKPOINTS/../shapes/` (runs `images`,
-`images_vision` with its vision side trained, `images_lora`, `images_stream` streamed).
+`images_vision` with its vision side trained, `images_lora`, `images_stream` streamed); without torchvision,
+Qwen3-VL's processor is built with no video processor (tests/image_releases.py).
 Never imported by scripts/ or common/.
 """
 
@@ -32,6 +33,8 @@ from transformers import AutoConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from image_releases import processor_without_torchvision  # noqa: E402
 
 from common import loss  # noqa: E402
 from common.ops.cli import end_process  # noqa: E402
@@ -156,7 +159,8 @@ def main() -> None:
     out, checkpoints, *archs = sys.argv[1 + keep_going :]
     for arch in archs:
         try:
-            run_architecture(out, checkpoints, arch)
+            with processor_without_torchvision():
+                run_architecture(out, checkpoints, arch)
         except Exception as error:
             if not keep_going:
                 raise
@@ -171,7 +175,9 @@ def run_architecture(out: str, checkpoints: str, arch: str) -> None:
     base = [f"model.name_or_path={source}", *COMMON]
     world = int(os.environ.get("WORLD_SIZE", 1))
     text = AutoConfig.from_pretrained(source).get_text_config()  # an image-text release's language model
-    if getattr(text, "base_model_ep_plan", None):  # a MoE model
+    if getattr(text, "base_model_ep_plan", None) and getattr(
+        text, "enable_moe_block", True
+    ):  # MoE (Gemma 4's is optional)
         runs = [("full", "finetune_moe_ep_fsdp", [f"parallelism.ep_size={world}"])]
     else:
         runs = [("full", "pretrain_fsdp", []), ("lora", "pretrain_fsdp", ["lora.r=4", "lora.alpha=8"])]

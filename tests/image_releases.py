@@ -2,51 +2,113 @@
 records in TRL's format.
 
 - `add_processor(arch, config, path)`: the release's tokenizer with its image tokens, its config pointing at
-  them, and its processor (image processor, chat template) saved as AutoProcessor loads it. Only processors
-  that run without torchvision can be made here: Gemma 3's (its PIL image processor). Qwen-VL's processor
-  needs a video processor, and Mistral 3's (Pixtral's) torchvision itself.
+  them, and its processor (image processor, chat template) saved as AutoProcessor loads it: Gemma 3's, and
+  Qwen3.5's and Qwen3-VL's (both Qwen3VLProcessor). Mistral 3's (Pixtral's) needs torchvision, not here.
+- `processor_without_torchvision()`: Qwen3-VL's processor holds a video processor, which needs torchvision.
+  Without it, AutoProcessor builds Qwen3VLProcessor from the release's files with none (the recipes render no
+  video); everything else is Transformers' own (the PIL image processor, the tokenizer's image tokens).
 - `write_shape_records(folder, count)`: the built-in shapes task's records as a JSONL file and PNG images.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from unittest import mock
 
 import transformers
 
 from common.data.image_records import EMBEDDED_IMAGE_TOKENS, shape_records
 from launch import release_tokenizer
 
-WITH_PROCESSOR = ["gemma3"]
+WITH_PROCESSOR = ["gemma3", "qwen3_5", "qwen3_vl"]
 # The test releases' chat template with image parts: each {"type": "image"} becomes the release's placeholder.
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %}{{ m['content'] }}{% else %}"
-    "{% for p in m['content'] %}{% if p['type'] == 'image' %}<start_of_image>{% else %}{{ p['text'] }}"
+    "{% for p in m['content'] %}{% if p['type'] == 'image' %}IMAGE{% else %}{{ p['text'] }}"
     "{% endif %}{% endfor %}{% endif %}{% if m['role'] == 'assistant' %}<|eos|>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 GEMMA3_TOKENS = EMBEDDED_IMAGE_TOKENS  # the names and strings its tokenizer_config.json gives
+QWEN_TOKENS = dict(image_token="<|image_pad|>", video_token="<|video_pad|>")
+QWEN_TOKENS |= dict(vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>")
 
 
 def add_processor(arch: str, config, path) -> None:
-    """Gemma 3's tokenizer with its image tokens, the config's ids for them, and its processor with 4 image
-    tokens per 16x16 image (the vision tower's 4x4 patches, pooled to 2x2), under `path`."""
+    """The release's tokenizer with its image tokens, the config's ids for them, and its processor under
+    `path`: 4 image tokens per 16x16 image (the vision tower's 4x4 patches, pooled or merged to 2x2)."""
     assert arch in WITH_PROCESSOR, arch
+    tokens = GEMMA3_TOKENS if arch == "gemma3" else QWEN_TOKENS
     release_tokenizer().save_pretrained(path)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path, extra_special_tokens=GEMMA3_TOKENS)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, extra_special_tokens=tokens)
     tokenizer.save_pretrained(path)
-    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in GEMMA3_TOKENS.items()}
-    config.image_token_id, config.boi_token_index, config.eoi_token_index = (
-        ids["image_token"],
-        ids["boi_token"],
-        ids["eoi_token"],
-    )
-    config.mm_tokens_per_image = 4
-    images = transformers.Gemma3ImageProcessorPil(size={"height": 16, "width": 16})
-    transformers.Gemma3Processor(
-        images, tokenizer, chat_template=TEMPLATE, image_seq_length=4
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in tokens.items()}
+    if arch == "gemma3":
+        config.image_token_id, config.boi_token_index, config.eoi_token_index = (
+            ids["image_token"],
+            ids["boi_token"],
+            ids["eoi_token"],
+        )
+        config.mm_tokens_per_image = 4
+        images = transformers.Gemma3ImageProcessorPil(size={"height": 16, "width": 16})
+        template = TEMPLATE.replace("IMAGE", "<start_of_image>")
+        transformers.Gemma3Processor(
+            images, tokenizer, chat_template=template, image_seq_length=4
+        ).save_pretrained(path)
+        return
+    for name, token_id in ids.items():  # image_token_id, video_token_id, vision_start_token_id, ...
+        setattr(config, f"{name}_id", token_id)
+    pixels = {"shortest_edge": 16 * 16, "longest_edge": 16 * 16}  # a 16x16 image as it is
+    vision = config.vision_config
+    transformers.Qwen2VLImageProcessorPil(
+        size=pixels,
+        patch_size=vision.patch_size,
+        temporal_patch_size=vision.temporal_patch_size,
+        merge_size=vision.spatial_merge_size,
     ).save_pretrained(path)
+    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+        f.write(TEMPLATE.replace("IMAGE", "<|vision_start|><|image_pad|><|vision_end|>"))
+    with open(os.path.join(path, "processor_config.json"), "w") as f:  # as save_pretrained writes it
+        json.dump({"processor_class": "Qwen3VLProcessor"}, f)
+
+
+@contextlib.contextmanager
+def processor_without_torchvision():
+    """AutoProcessor as Transformers' own, except that without torchvision a Qwen3-VL processor is built
+    with no video processor (which needs it) from the release's image processor, tokenizer and template."""
+    try:
+        import torchvision  # noqa: F401
+
+        yield
+        return
+    except (ImportError, RuntimeError):
+        pass
+    load, check = (
+        transformers.AutoProcessor.from_pretrained,
+        transformers.ProcessorMixin.check_argument_for_proper_class,
+    )
+
+    def from_pretrained(path, *args, **kwargs):
+        file = os.path.join(path, "processor_config.json")
+        if not os.path.isfile(file) or json.load(open(file))["processor_class"] != "Qwen3VLProcessor":
+            return load(path, *args, **kwargs)
+        with open(os.path.join(path, "chat_template.jinja")) as f:
+            template = f.read()
+        images = transformers.AutoImageProcessor.from_pretrained(path)  # the PIL one
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        processor = transformers.Qwen3VLProcessor(images, tokenizer, None, chat_template=template)
+        processor.get_attributes = lambda: ["image_processor", "tokenizer"]  # what save_pretrained writes
+        return processor
+
+    def check_argument(self, name, argument):
+        return None if name == "video_processor" and argument is None else check(self, name, argument)
+
+    with (
+        mock.patch.object(transformers.AutoProcessor, "from_pretrained", from_pretrained),
+        mock.patch.object(transformers.ProcessorMixin, "check_argument_for_proper_class", check_argument),
+    ):
+        yield
 
 
 def write_shape_records(folder, count: int, name: str = "train.jsonl", split: str = "train") -> str:

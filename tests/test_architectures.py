@@ -16,15 +16,17 @@ import re
 import pytest
 import torch
 import transformers
-from image_releases import WITH_PROCESSOR, add_processor, write_shape_records
+from image_releases import WITH_PROCESSOR, add_processor, processor_without_torchvision, write_shape_records
 from peft import PeftModel
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto import image_processing_auto
 
 import launch
 from common import image_text
 from common.architectures import auto_class
+from common.checkpoint_layout import checkpoint_layout
 from common.config import ConfigError, ModelConfig
 from common.model import build_meta_model, init_buffers, load_model_config
 from launch import (
@@ -65,9 +67,18 @@ PER_ARCH = {**TRANSFORMS, "deepseek_v3": {**MLA, **EXPERTS, "num_key_value_heads
 PER_ARCH |= {"gptj": dict(rotary_dim=8), "codegen": dict(rotary_dim=8)}  # RoPE on half of a 16-wide head
 # Image-text releases: a vision tower, a projector and a language model, with the processor's image settings
 IMAGE_TEXT_MOE = ["qwen3_5_moe", "qwen3_vl_moe"]  # finetune_moe_ep_fsdp.py, as MoE text models are
-IMAGE_TEXT = ["qwen3_5", "gemma3", "mistral3", "qwen3_vl", *IMAGE_TEXT_MOE]
+IMAGE_TEXT = ["qwen3_5", "gemma3", "gemma4", "mistral3", "qwen3_vl", *IMAGE_TEXT_MOE]
+# Layers of two kinds, one of each: Qwen3.5's linear and full attention (3:1 in its releases), Gemma 4's
+# sliding and full (5:1), with its per-layer embeddings
+TEXT = {arch: dict(layer_types=["linear_attention", "full_attention"]) for arch in ("qwen3_5", "qwen3_5_moe")}
+TEXT["gemma4"] = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=32)
+TEXT["gemma4"] |= dict(vocab_size_per_layer_input=4096, hidden_size_per_layer_input=16)
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, depth=2)
 VISION |= dict(num_heads=2, patch_size=4, image_size=16, out_hidden_size=64)
+VISION |= dict(deepstack_visual_indexes=[0])  # Qwen3-VL's: a tower layer's features into the language model's
+VISION |= dict(
+    num_key_value_heads=2, head_dim=16, position_embedding_size=64, pooling_kernel_size=2
+)  # Gemma 4
 TIED = {"qwen2", "gemma2", "gemma3_text", "phi3"}  # tied input and output embeddings, as their families ship
 ATOL = 1e-5
 
@@ -113,11 +124,18 @@ def tiny_config(arch: str):
 
 
 def tiny_image_text_config(arch: str):
-    """An image-text release at the text sizes above, with a small vision tower."""
+    """An image-text release at the text sizes above, with a small vision tower (Gemma 4's is off by default,
+    and its audio tower left off). Gemma 4's sizes vary per layer, so its config is asked by its keys."""
     default = AutoConfig.for_model(arch)
-    text = {k: v for k, v in SIZES.items() if hasattr(default.text_config, k)}
-    vision = {k: v for k, v in VISION.items() if hasattr(default.vision_config, k)}
-    return AutoConfig.for_model(arch, text_config=text, vision_config=vision)
+    text = {
+        k: v
+        for k, v in SIZES.items()
+        if k in default.text_config.to_dict() or hasattr(default.text_config, k)
+    }
+    vision_default = default.vision_config or AutoConfig.for_model(f"{arch}_vision")
+    vision = {k: v for k, v in VISION.items() if hasattr(vision_default, k)}
+    other = {"audio_config": None} if hasattr(default, "audio_config") else {}
+    return AutoConfig.for_model(arch, text_config=text | TEXT.get(arch, {}), vision_config=vision, **other)
 
 
 def reference(matrix: dict, arch: str, path: str | None = None):
@@ -148,6 +166,15 @@ def hf_loss(model, batches: list[dict], pad_id: int | None = None) -> float:
         )
         total, tokens = total + float(out.loss) * count, tokens + count
     return total / tokens
+
+
+def per_image(images: dict) -> list[torch.Tensor]:
+    """A batch's pixel values, image by image: Gemma 3's are [images, 3, H, W]; Qwen-VL's are every image's
+    patches in one [patches, dim] tensor, split by each image's grid."""
+    pixels = images["pixel_values"]
+    if "image_grid_thw" in images:
+        return list(pixels.split(images["image_grid_thw"].prod(-1).tolist()))
+    return list(pixels)
 
 
 def records(matrix: dict, nproc: int, arch: str, run: str, name: str) -> list[dict]:
@@ -211,21 +238,31 @@ def test_the_recipes_train_transformers_model_exactly(matrix, arch):
             )
 
 
-# The releases of the matrix that are not read per rank yet: every rank loads them whole through
-# from_pretrained (exact, but each rank holds the whole model), with why (common/checkpoint_layout.py).
-LOADED_WHOLE = {
-    "gpt_neox": "lm_head.weight is not in its files",
-    "qwen3_vl_moe": "Transformers converts its experts' down_proj as it loads",
-}
+def test_each_rank_reads_its_share_of_every_release_and_export(matrix):
+    """No release of the matrix, and none of its exports, is loaded whole through from_pretrained (each rank
+    holding the whole model): GPT-NeoX's renamed output layer and Qwen3-VL-MoE's fused experts included."""
+    fallback = re.search(rf"[^\n]*{WHOLE_LOAD}", matrix["stderr"])
+    assert fallback is None, fallback.group()
 
 
-def test_each_rank_reads_its_share_of_every_release_but_those_loaded_whole(matrix):
-    """The releases and their exports are read per rank, each rank its own shards' bytes, except those in
-    LOADED_WHOLE: a release that falls back to from_pretrained fails this, and so does a listed one that no
-    longer does, so the list only shrinks."""
-    fallback = r"(/[^:\s]*)?: [^\n]*" + WHOLE_LOAD
-    whole = {arch for arch in DENSE + MOE + IMAGE_TEXT if re.search(rf"/{arch}{fallback}", matrix["stderr"])}
-    assert whole == set(LOADED_WHOLE)
+def test_experts_stored_in_another_layout_are_loaded_whole_as_transformers_transposes_them(tmp_path):
+    """Qwen3-VL-MoE's fused experts in the model's layout are read per rank as they are; in the transposed
+    layout, the release goes to from_pretrained, which transposes them."""
+    torch.manual_seed(0)
+    config = tiny_image_text_config("qwen3_vl_moe")
+    auto_class(config).from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
+    model = build_meta_model(config, ModelConfig())
+    ours = dict(model.state_dict())
+    key = "model.language_model.layers.0.mlp.experts.down_proj"
+    assert checkpoint_layout(model, str(tmp_path), ours).names[key] == key
+    weights = load_file(tmp_path / "model.safetensors")
+    weights |= {
+        k: w.transpose(1, 2).contiguous() for k, w in weights.items() if k.endswith("experts.down_proj")
+    }
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert (
+        checkpoint_layout(model, str(tmp_path), ours).why_not == f"Transformers converts {key!r} as it loads"
+    )
 
 
 @pytest.mark.parametrize("arch", DENSE + MOE + IMAGE_TEXT)
@@ -300,7 +337,7 @@ def test_an_image_text_release_fine_tunes_on_image_records_exactly(matrix, arch)
             assert_is_transformers_model(ready, model)
             step1 = records(matrix, nproc, arch, run, "step1-rank*.pt")
             batches = [b for r in step1 for b in r["batches"]]
-            assert all(b["images"]["pixel_values"].shape[0] == len(b["input_ids"]) for b in batches), where
+            assert all(len(per_image(b["images"])) == len(b["input_ids"]) for b in batches), where
             assert step1[0]["result"]["loss"] == pytest.approx(loss_of(batches), abs=ATOL), where
             evals = records(matrix, nproc, arch, run, "eval-rank*.pt")
             held_out = [b for r in evals for b in r["batches"]]
@@ -345,10 +382,11 @@ def test_streamed_image_records_train_exactly_on_each_ranks_part_of_the_stream(m
         step1 = records(matrix, nproc, arch, "images_stream", "step1-rank*.pt")
         batches = [b for r in step1 for b in r["batches"]]
         assert step1[0]["result"]["loss"] == pytest.approx(hf_loss(model, batches, pad_id), abs=ATOL), nproc
-        images[nproc] = [torch.cat([b["images"]["pixel_values"] for b in r["batches"]]) for r in step1]
+        images[nproc] = [[image for b in r["batches"] for image in per_image(b["images"])] for r in step1]
     [alone] = images[1]
     assert len(alone) == 8 and len({image.sum().item() for image in alone}) == 8  # 8 different images
-    assert all(torch.equal(mine, alone[rank::2]) for rank, mine in enumerate(images[2]))
+    for rank, mine in enumerate(images[2]):
+        assert len(mine) == 4 and all(map(torch.equal, mine, alone[rank::2]))
 
 
 @pytest.mark.parametrize("arch", WITH_PROCESSOR)
@@ -374,7 +412,8 @@ def test_an_image_text_export_reloads_with_its_processor_and_answers_an_image(ma
         assert final["fixed_batch_loss"] == pytest.approx(
             hf_loss(trained, [fixed["batch"]], pad_id), abs=ATOL
         )
-        processor = transformers.AutoProcessor.from_pretrained(export)
+        with processor_without_torchvision():
+            processor = transformers.AutoProcessor.from_pretrained(export)
         question = [{"type": "image"}, {"type": "text", "text": "What is this?"}]
         prompt = processor.apply_chat_template(
             [{"role": "user", "content": question}], add_generation_prompt=True

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from image_releases import add_processor, write_shape_records
+from image_releases import add_processor, processor_without_torchvision, write_shape_records
 from test_architectures import tiny_image_text_config
 
 from common.config import ConfigError, DataConfig, TrainConfig
 from common.data.batches import PAD
-from common.data.image_records import build_image_batches, read_records, rows_path
+from common.data.image_records import build_image_batches, open_images, read_records, render, rows_path
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +81,31 @@ def test_a_record_longer_than_a_row_is_left_out_and_counted(release, tmp_path, c
     path = rows_path(cfg, processor, cfg.dataset, "train", True, "data.dataset", records, folder)
     rows = np.load(path)
     assert rows.shape == (3, 3, 65) and (rows[:, 0, -1] == PAD).all()
+
+
+def test_qwen_vl_pixel_values_stay_whole_where_a_patch_is_as_long_as_the_row(tmp_path):
+    """Qwen-VL's pixel values are every patch's values, [patches, 3 x 2 x 4 x 4 = 96] here: in a row of 96
+    tokens they are not cut by the last token as the per-token tensors (its token types) are."""
+    add_processor("qwen3_5", tiny_image_text_config("qwen3_5"), tmp_path / "qwen3_5")
+    write_shape_records(tmp_path, 1)
+    [record] = [json.loads(line) for line in open(tmp_path / "train.jsonl")]
+    with processor_without_torchvision():
+        processor = transformers.AutoProcessor.from_pretrained(tmp_path / "qwen3_5")
+        images = open_images(record, str(tmp_path), "data.dataset")
+        question = record["messages"][0]["content"][1]
+        for words in range(80):  # a question of as many words as make the record 96 tokens long
+            question["text"] = "What is this?" + " a" * words
+            if len(render(processor, record["messages"], images)) == 96:
+                break
+        (tmp_path / "long.jsonl").write_text(json.dumps(record) + "\n")
+        cfg = data(tmp_path / "qwen3_5", tmp_path / "long.jsonl", seq_len=128)
+        _, batches = build_image_batches(
+            cfg, TrainConfig(global_batch_size=1, micro_batch_size=1), 0, 1, True
+        )
+        [batch] = batches.micro_batches(0)
+    assert batch.input_ids.shape == batch.images["mm_token_type_ids"].shape == (1, 95)
+    assert batch.images["pixel_values"].shape == (16, 96)
+    assert batch.images["image_grid_thw"].tolist() == [[1, 4, 4]]
 
 
 @pytest.mark.parametrize(

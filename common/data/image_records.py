@@ -306,8 +306,10 @@ def collate(processor, records: list, rows: np.ndarray, folder: str | None, key:
         raise RuntimeError("the processor rendered a record differently from its rows")
     inputs = out["input_ids"][:, :-1]
     labels = torch.where(answer[:, 1:] == 1, out["input_ids"][:, 1:], -100)
+    # Per-token tensors (token types) are shifted with the ids; Qwen-VL's [patches, dim] pixel values are not,
+    # even where dim equals the row's length
     extra = {
-        name: value[:, :-1] if value.dim() == 2 and value.shape[1] == length else value
+        name: value[:, :-1] if value.shape == out["input_ids"].shape else value
         for name, value in out.items()
         if name not in ("input_ids", "attention_mask")  # right padding: causal attention ignores it
     }

@@ -175,9 +175,9 @@ def run_architecture(out: str, checkpoints: str, arch: str) -> None:
     base = [f"model.name_or_path={source}", *COMMON]
     world = int(os.environ.get("WORLD_SIZE", 1))
     text = AutoConfig.from_pretrained(source).get_text_config()  # an image-text release's language model
-    if getattr(text, "base_model_ep_plan", None) and getattr(
-        text, "enable_moe_block", True
-    ):  # MoE (Gemma 4's is optional)
+    # a MoE model: an expert plan, and experts built (Gemma 4's MoE block is optional)
+    moe = getattr(text, "base_model_ep_plan", None) and getattr(text, "enable_moe_block", True)
+    if moe:
         runs = [("full", "finetune_moe_ep_fsdp", [f"parallelism.ep_size={world}"])]
     else:
         runs = [("full", "pretrain_fsdp", []), ("lora", "pretrain_fsdp", ["lora.r=4", "lora.alpha=8"])]

@@ -79,11 +79,11 @@ def processor_without_torchvision():
     with no video processor (which needs it) from the release's image processor, tokenizer and template."""
     try:
         import torchvision  # noqa: F401
-
+    except (ImportError, RuntimeError):  # not installed, or a build for another torch
+        torchvision = None
+    if torchvision is not None:
         yield
         return
-    except (ImportError, RuntimeError):
-        pass
     load, check = (
         transformers.AutoProcessor.from_pretrained,
         transformers.ProcessorMixin.check_argument_for_proper_class,
@@ -91,8 +91,11 @@ def processor_without_torchvision():
 
     def from_pretrained(path, *args, **kwargs):
         file = os.path.join(path, "processor_config.json")
-        if not os.path.isfile(file) or json.load(open(file))["processor_class"] != "Qwen3VLProcessor":
+        if not os.path.isfile(file):
             return load(path, *args, **kwargs)
+        with open(file) as f:
+            if json.load(f)["processor_class"] != "Qwen3VLProcessor":
+                return load(path, *args, **kwargs)
         with open(os.path.join(path, "chat_template.jinja")) as f:
             template = f.read()
         images = transformers.AutoImageProcessor.from_pretrained(path)  # the PIL one

@@ -76,9 +76,8 @@ TEXT["gemma4"] |= dict(vocab_size_per_layer_input=4096, hidden_size_per_layer_in
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, depth=2)
 VISION |= dict(num_heads=2, patch_size=4, image_size=16, out_hidden_size=64)
 VISION |= dict(deepstack_visual_indexes=[0])  # Qwen3-VL's: a tower layer's features into the language model's
-VISION |= dict(
-    num_key_value_heads=2, head_dim=16, position_embedding_size=64, pooling_kernel_size=2
-)  # Gemma 4
+# Gemma 4's tower: its own head sizes, position table and pooling
+VISION |= dict(num_key_value_heads=2, head_dim=16, position_embedding_size=64, pooling_kernel_size=2)
 TIED = {"qwen2", "gemma2", "gemma3_text", "phi3"}  # tied input and output embeddings, as their families ship
 ATOL = 1e-5
 

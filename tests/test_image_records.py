@@ -97,6 +97,7 @@ def test_qwen_vl_pixel_values_stay_whole_where_a_patch_is_as_long_as_the_row(tmp
             question["text"] = "What is this?" + " a" * words
             if len(render(processor, record["messages"], images)) == 96:
                 break
+        assert len(render(processor, record["messages"], images)) == 96  # else the row proves nothing
         (tmp_path / "long.jsonl").write_text(json.dumps(record) + "\n")
         cfg = data(tmp_path / "qwen3_5", tmp_path / "long.jsonl", seq_len=128)
         _, batches = build_image_batches(

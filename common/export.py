@@ -175,9 +175,8 @@ def saved_dtype(model: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.
     patterns (its `_get_dtype_plan`, private, hence the rule again)."""
     if not tensor.is_floating_point():
         return tensor.dtype
-    kept = (
-        set(model._keep_in_fp32_modules_strict or ()) if dtype in (torch.float16, torch.bfloat16) else set()
-    )
+    half = dtype in (torch.float16, torch.bfloat16)
+    kept = set(model._keep_in_fp32_modules_strict or ()) if half else set()
     kept |= set(model._keep_in_fp32_modules or ()) if dtype == torch.float16 else set()
     return torch.float32 if kept and build_glob_alternation(sorted(kept))[0].search(name) else dtype
 

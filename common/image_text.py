@@ -53,6 +53,19 @@ def freeze_vision(model: nn.Module, cfg: ModelConfig, image_text: bool) -> None:
         model.get_parameter(name).requires_grad_(False)
 
 
+def gather_vision_units_once(model: nn.Module) -> None:
+    """All-gather each FSDP unit of the vision side once, then free it. With gradient accumulation and a
+    reduce dtype (bf16 compute, fp32 reduction), torch 2.13's FSDP2 reads every unit's unsharded parameter
+    after each backward, also a unit that never ran forward (the vision blocks on text rows), and fails
+    ('_unsharded_param') on one it never gathered."""
+    vision = {id(model.get_parameter(name)) for name in sum(vision_parameters(model), [])}
+    for module in model.modules():  # by identity: AC's wrapper leaves its prefix out of its own names
+        own = {id(parameter) for parameter in module.parameters()}
+        if isinstance(module, FSDPModule) and module is not model and own and own <= vision:
+            module.unshard()
+            module.reshard()
+
+
 def conversion_mapping_as_built(model: nn.Module) -> list:
     """Transformers' weight renames for a release. fully_shard's classes (FSDPGemma3ForConditionalGeneration)
     are custom code to Transformers, which then skips the root's renames and scopes them under the base model.

@@ -63,11 +63,7 @@ def _read_model_config(cfg: ModelConfig) -> PretrainedConfig:
     try:
         return AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
-        where = (
-            "a local directory"
-            if os.path.isabs(cfg.name_or_path)
-            else "a local directory or a reachable hub id"
-        )
+        where = "a local directory" + ("" if os.path.isabs(cfg.name_or_path) else " or a reachable hub id")
         raise ConfigError(
             f"model.name_or_path {cfg.name_or_path!r} could not be loaded ({str(e).splitlines()[0]}); "
             f"give {where} (offline? set HF_HUB_OFFLINE=1 and use a local copy)"
@@ -138,11 +134,16 @@ def init_weights(model: nn.Module, seed: int, std: float) -> None:
 
 
 @torch.no_grad()
-def init_buffers(model: nn.Module, device: torch.device) -> None:
-    """Every buffer as the model's own construction computes it, which `to_empty` left uninitialised: RoPE
-    frequencies under any name, embedding scales (Gemma), masks. A list of names misses some, so the model is
+def materialise(model: nn.Module, device: torch.device, cpu_offload: bool = False) -> None:
+    """Allocate this rank's shards on `device` (the host with fsdp.cpu_offload), then compute every buffer,
+    which `to_empty` leaves uninitialised (RoPE frequencies, Gemma's embedding scale, masks): the model is
     built once more with its parameters on `meta` and its buffers real, and each buffer is copied across by
-    name. A loaded checkpoint then overwrites the persistent ones."""
+    name (a list of names misses some). A loaded checkpoint then overwrites the persistent ones."""
+    model.to_empty(device=torch.device("cpu") if cpu_offload else device)
+    if architectures.is_image_text(model.config):  # FSDP2 must have gathered each vision unit once
+        from common.image_text import gather_vision_units_once
+
+        gather_vision_units_once(model)
     if any(isinstance(buffer, FakeTensor) for buffer in model.buffers()):
         return  # the planner's fake tensors hold no values (and torch 2.11's reject Accelerate's meta init)
     config = copy.deepcopy(model.config)

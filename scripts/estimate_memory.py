@@ -59,7 +59,7 @@ from common.data.batches import Batch
 from common.evaluate import score_shard
 from common.experts import loads_whole, split_within_experts
 from common.mesh import build_dp_mesh, build_meshes
-from common.model import build_meta_model, init_buffers, load_model_config
+from common.model import build_meta_model, load_model_config, materialise
 from common.moe import apply_tp_ep, build_moe_meshes, fsdp_meshes
 from common.ops.cli import run_cli
 from common.ops.config_sources import apply_override
@@ -194,8 +194,7 @@ def measure(cfg: Config, recipe: str, world_size: int, device_type: str, images:
             cp_state = cp.build_cp_state(seq_len, cp_size, load_balance, device)
         # Meshes, CP state and the sharding plan are real or on `meta`; from the weights on, all is fake.
         with FakeTensorMode(allow_non_fake_inputs=True):
-            model.to_empty(device=device)
-            init_buffers(model, device)
+            materialise(model, device)  # and an image-text release's vision units gathered once
             documents = recipe == "moe" or cfg.data.document_mask
             batch = fake_batch(micro_batch, seq_len, built["hf_config"], documents, images)
             optimizer = None if recipe == "eval" else build_optimizer(model, cfg, torch.device(device_type))

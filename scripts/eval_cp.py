@@ -40,7 +40,7 @@ from common.data.sft import is_sft
 from common.evaluate import evaluate
 from common.load_weights import is_sharded_export, load_hf_weights, load_sharded_export
 from common.mesh import build_dp_mesh, gather_objects, init_distributed, resolve_device
-from common.model import build_meta_model, init_buffers, load_model_config
+from common.model import build_meta_model, load_model_config, materialise
 from common.ops import loss_check
 from common.ops.cli import parse_args, run_cli
 from common.ops.integrity import verify_model_checksums
@@ -190,8 +190,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # Weights sharded over every rank (dp x cp), as Accelerate does; loaded exactly like pretrain_fsdp.py.
     apply_fsdp(model, build_dp_mesh(d.device.type, 1, d.world_size), cfg.fsdp, d.device.type, training=False)
-    model.to_empty(device=torch.device("cpu") if cfg.fsdp.cpu_offload else d.device)
-    init_buffers(model, d.device)
+    materialise(model, d.device, cfg.fsdp.cpu_offload)  # this rank's shards allocated, buffers computed
     if is_sharded_export(cfg.model.name_or_path):  # a SHARDED export or a training checkpoint: both are DCP
         load_sharded_export(model, cfg.model.name_or_path)
     else:

@@ -110,23 +110,21 @@ def track_the_global_peak_only(tracker: FSDPMemTracker) -> None:
 
 
 def pass_over_units_no_forward_ran(tracker: FSDPMemTracker) -> None:
-    """An image-text release trained on text never runs its vision blocks' forward, so FSDP never gathers
-    their parameters, and the tracker's post-backward wrapper then fails reading the unsharded parameter
-    that was never made (AttributeError '_unsharded_param'). Such a unit holds no gradient: run FSDP's own
-    post-backward for it untracked. (Private tracker and FSDP state, pinned torch: there is no switch.)"""
+    """An image-text release trained on text never runs its vision blocks' forward, so the tracker holds no
+    statistics for them, and its post-backward wrapper then fails looking them up (KeyError). Such a unit
+    holds no gradient: run FSDP's own post-backward for it untracked. (Private tracker state, pinned torch:
+    there is no switch.)"""
     wrap_post_backward = tracker._fsdp_param_group_post_backward
 
-    def unless_never_gathered(fsdp_mod, post_backward):
+    def unless_never_run(fsdp_mod, post_backward):
         tracked = wrap_post_backward(fsdp_mod, post_backward)
 
         def post_backward_of(*args, **kwargs):
-            group = fsdp_mod._get_fsdp_state()._fsdp_param_group
-            gathered = group is None or all(hasattr(p, "_unsharded_param") for p in group.fsdp_params)
-            return (tracked if gathered else post_backward)(*args, **kwargs)
+            return (tracked if fsdp_mod in tracker.memory_tracking else post_backward)(*args, **kwargs)
 
         return post_backward_of
 
-    tracker._fsdp_param_group_post_backward = unless_never_gathered
+    tracker._fsdp_param_group_post_backward = unless_never_run
 
 
 def forget_module_stats_before(tracker: FSDPMemTracker, loss: Callable) -> Callable:

@@ -43,7 +43,7 @@ from common.evaluate import eval_mode, evaluate
 from common.export import export_final
 from common.load_weights import load_or_init_weights
 from common.mesh import gather_objects, init_distributed
-from common.model import build_meta_model, init_buffers, load_model_config
+from common.model import build_meta_model, load_model_config, materialise
 from common.moe import (
     MoeSizes,
     RouterLogits,
@@ -281,8 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     experts = apply_tp_ep(model, sizes, dense_mesh, expert_mesh)
     dp_mesh, efsdp_mesh = fsdp_meshes(dense_mesh, expert_mesh)
     sharding = apply_fsdp(model, dp_mesh, cfg.fsdp, device.type, experts=experts, expert_mesh=efsdp_mesh)
-    model.to_empty(device=torch.device("cpu") if cfg.fsdp.cpu_offload else device)
-    init_buffers(model, device)
+    materialise(model, device, cfg.fsdp.cpu_offload)  # this rank's shards allocated, buffers computed
     optimizer = build_optimizer(model, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
     if not resume_from or not all(p.requires_grad for p in model.parameters()):  # frozen: not in checkpoints

@@ -39,7 +39,7 @@ from common.evaluate import eval_mode, evaluate
 from common.export import export_final
 from common.load_weights import load_or_init_weights
 from common.mesh import build_meshes, init_distributed, resolve_device, resolve_dp_sizes
-from common.model import build_meta_model, init_buffers, load_model_config
+from common.model import build_meta_model, load_model_config, materialise
 from common.ops import loss_check
 from common.ops.async_save import BackgroundSaves
 from common.ops.cli import parse_args, refuse_set_keys, run_cli
@@ -257,8 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     # Shard first, then allocate: no rank ever holds the full fp32 model.
     apply_tensor_parallel(model, tp_mesh)  # the model's own Transformers TP plan; FSDP then shards each piece
     sharding = apply_fsdp(model, mesh, cfg.fsdp, device.type, compile_layers=t.compile)
-    model.to_empty(device=torch.device("cpu") if cfg.fsdp.cpu_offload else device)
-    init_buffers(model, device)
+    materialise(model, device, cfg.fsdp.cpu_offload)  # this rank's shards allocated, buffers computed
     optimizer = build_optimizer(model, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
     if not resume_from or not all(p.requires_grad for p in model.parameters()):  # frozen: not in checkpoints

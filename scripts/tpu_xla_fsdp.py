@@ -43,7 +43,7 @@ from common.data.checks import check_vocab_size
 from common.data.train_batches import build_batches
 from common.export import finish_export, prepare_for_generation, save_model_config
 from common.load_weights import is_sharded_export
-from common.model import build_meta_model, init_buffers, init_weights, load_model_config
+from common.model import build_meta_model, init_weights, load_model_config, materialise
 from common.ops.cli import parse_args, run_cli
 from common.ops.integrity import verify_model_checksums
 from common.ops.metrics import MetricsLogger, StepLog, checkpoint_record, flops_per_token
@@ -138,8 +138,7 @@ def build_model(cfg: Config) -> nn.Module:
             trust_remote_code=cfg.model.trust_remote_code,
         )
     model = build_meta_model(hf_config, cfg.model)
-    model.to_empty(device="cpu")
-    init_buffers(model, torch.device("cpu"))
+    materialise(model, torch.device("cpu"))
     init_weights(model, cfg.train.seed, hf_config.initializer_range)
     return model
 

@@ -44,6 +44,8 @@ def pytest_configure(config) -> None:
     plugin = KeysGiven(proven_by())
     plugin.install()
     config.pluginmanager.register(plugin, "keys_given")
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist) sums the reports
+        config.pluginmanager.register(FileSeconds(), "file_seconds")
 
 
 def pytest_unconfigure(config) -> None:
@@ -69,3 +71,21 @@ def small_disk(tmp_path):
         pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.decode().strip()}); it needs root")
     yield mount
     subprocess.run(["umount", str(mount)], check=True)
+
+
+class FileSeconds:
+    """The test files by their time (setup, call and teardown, as reported to the xdist controller), printed
+    slowest first at the end: where the suite's time goes, and the data for SLOWEST_FIRST."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report) -> None:
+        path = report.nodeid.split("::")[0]
+        self.seconds[path] = self.seconds.get(path, 0.0) + getattr(report, "duration", 0.0)
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if len(self.seconds) > 1:
+            terminalreporter.section("seconds per test file")
+            for path, seconds in sorted(self.seconds.items(), key=lambda item: -item[1]):
+                terminalreporter.write_line(f"{seconds:8.1f}s  {path}")

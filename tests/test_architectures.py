@@ -28,7 +28,7 @@ from common import image_text
 from common.architectures import auto_class
 from common.checkpoint_layout import checkpoint_layout
 from common.config import ConfigError, ModelConfig
-from common.model import build_meta_model, init_buffers, load_model_config
+from common.model import build_meta_model, load_model_config, materialise
 from launch import (
     WHOLE_LOAD,
     each_rank,
@@ -639,13 +639,12 @@ def test_the_planner_plans_full_logits_for_a_model_that_transforms_them(tmp_path
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "gemma2", "phi3"])
 def test_a_model_from_scratch_gets_the_buffers_its_construction_computes(arch):
-    """model.config with a model_type: after to_empty, init_buffers gives every buffer (Gemma's embedding
+    """model.config with a model_type: materialise gives every buffer (Gemma's embedding
     scale, per-layer-type RoPE frequencies) exactly as building the model for real does."""
     cfg = ModelConfig(config={"model_type": arch, **SIZES})
     hf_config = load_model_config(cfg)
     model = build_meta_model(hf_config, cfg)
-    model.to_empty(device="cpu")
-    init_buffers(model, torch.device("cpu"))
+    materialise(model, torch.device("cpu"))
     expected = dict(AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).named_buffers())
     buffers = dict(model.named_buffers())
     assert buffers.keys() == expected.keys() and len(buffers) >= 2

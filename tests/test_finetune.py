@@ -378,6 +378,19 @@ def test_debug_vlm_config_learns_the_held_out_shapes_and_exports_a_release(tmp_p
     assert len(words) == 3 and words[0] == "a" and words[1] in COLOURS, words
 
 
+def test_an_image_text_release_trains_on_text_with_accumulation_in_bf16(tmp_path):
+    """Text rows never run the vision blocks' forward. With gradient accumulation and an fp32 reduce dtype,
+    torch's FSDP2 still reads each unit's unsharded parameter after backward, which fails for a unit never
+    gathered: materialise gathers the vision units once (common/image_text.py)."""
+    config = os.path.join(REPO, "configs", "debug_vlm.json")  # its vision tower and projector trained
+    mixed = '{"param_dtype": "bfloat16", "reduce_dtype": "float32"}'
+    args = ["--config", config, "data.dataset=embedded", "eval.interval=0", "train.steps=2"]
+    args += ["train.global_batch_size=8", "train.micro_batch_size=2", f"fsdp.mixed_precision={mixed}"]
+    run("pretrain_fsdp.py", [*args, "checkpoint.export=false", f"checkpoint.dir={tmp_path}"], nproc=2)
+    logged = steps(read_metrics(tmp_path))
+    assert [r["step"] for r in logged] == [1, 2] and all(np.isfinite(r["loss"]) for r in logged), logged
+
+
 def test_debug_sft_config_learns_the_held_out_task_and_exports_a_chat_model(tmp_path):
     """The shipped config, fine-tuning with a chat template: the held-out loss falls below half its
     step-0 value, and the export keeps the template and answers a held-out prompt with generate()."""

@@ -143,6 +143,24 @@ def test_the_real_image_text_config_passes_the_recipes_checks_on_8_ranks():
     assert load_script("pretrain_fsdp").check_config(cfg, 8) == (1, 8, 8)
 
 
+def test_the_bundled_gemma_3_4b_architecture_builds_the_release_at_its_size():
+    """configs/hub's copy of google/gemma-3-4b-it's config.json, which the planner reads for
+    configs/gemma3_vl_sft.json: the release's class at 4,300,079,472 parameters (the model card's 4.3B), its
+    vision tower a SigLIP of 27 layers at 896 px."""
+    import os
+
+    from common.config import ModelConfig
+    from common.model import build_meta_model, load_model_config
+    from launch import REPO
+
+    cfg = ModelConfig(name_or_path=os.path.join(REPO, "configs", "hub", "google--gemma-3-4b-it"))
+    model = build_meta_model(load_model_config(cfg), cfg)
+    assert type(model).__name__ == "Gemma3ForConditionalGeneration"
+    assert sum(p.numel() for p in model.parameters()) == 4_300_079_472
+    vision = model.config.vision_config
+    assert (vision.num_hidden_layers, vision.image_size, model.config.mm_tokens_per_image) == (27, 896, 256)
+
+
 def test_streamed_records_are_each_ranks_part_in_order_and_resume_at_the_next_record(
     release, tmp_path, capsys
 ):

@@ -58,7 +58,8 @@ def gather_vision_units_once(model: nn.Module) -> None:
     reduce dtype (bf16 compute, fp32 reduction), torch 2.13's FSDP2 reads every unit's unsharded parameter
     after each backward, also a unit that never ran forward (the vision blocks on text rows), and fails
     ('_unsharded_param') on one it never gathered."""
-    vision = {id(model.get_parameter(name)) for name in sum(vision_parameters(model), [])}
+    tower, projector = vision_parameters(model)
+    vision = {id(model.get_parameter(name)) for name in tower + projector}
     for module in model.modules():  # by identity: AC's wrapper leaves its prefix out of its own names
         own = {id(parameter) for parameter in module.parameters()}
         if isinstance(module, FSDPModule) and module is not model and own and own <= vision:

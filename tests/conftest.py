@@ -7,10 +7,10 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-# The test files by their time in a full run, slowest first (the "seconds per test file" summary that every run
-# prints, 2026-12-07, 2 cores). pytest.ini's --no-loadscope-reorder keeps this order, so xdist starts the long
-# files first and no worker is left alone with one at the end (by default it orders files by their number of
-# tests). A file not listed runs after these.
+# The test files by their time in a full run, slowest first (the "seconds per test file" summary that every
+# run prints, 2026-12-07, 2 cores). pytest.ini's --no-loadscope-reorder keeps this order, so xdist starts the
+# long files first and no worker is left alone with one at the end (by default it orders files by their number
+# of tests). A file not listed runs after these.
 SLOWEST_FIRST = [
     "test_architectures.py",
     "test_estimate_memory.py",

@@ -158,8 +158,7 @@ import torch, torch.distributed as dist
 from common import lora
 from common.config import Config, FsdpConfig, LoraConfig, ModelConfig
 from common.mesh import build_dp_mesh
-from common.model import init_buffers
-from common.model import build_meta_model, load_model_config
+from common.model import build_meta_model, load_model_config, materialise
 from common.ops.cli import end_process
 from common.optim import build_optimizer
 from common.load_weights import load_or_init_weights
@@ -169,8 +168,7 @@ cfg = Config(model=ModelConfig(name_or_path=sys.argv[1]), lora=LoraConfig(r=4))
 model = build_meta_model(load_model_config(cfg.model), cfg.model)
 lora.add_adapters(model, cfg.lora, "cpu")
 apply_fsdp(model, build_dp_mesh("cpu", 1, 2), FsdpConfig(), "cpu")
-model.to_empty(device="cpu")
-init_buffers(model, torch.device("cpu"))
+materialise(model, torch.device("cpu"))
 load_or_init_weights(model, cfg)
 before = {{n: p.detach().to_local().clone() for n, p in model.named_parameters() if not p.requires_grad}}
 optimizer = build_optimizer(model, cfg, torch.device("cpu"))

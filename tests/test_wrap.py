@@ -11,7 +11,7 @@ from transformers import LlamaConfig
 
 from common.config import ConfigError, FsdpConfig, ModelConfig
 from common.mesh import build_dp_mesh
-from common.model import build_meta_model, init_buffers, init_weights, load_model_config
+from common.model import build_meta_model, init_weights, load_model_config, materialise
 from common.wrap import apply_fsdp, reshard, resolve_layer_classes
 
 LAYERS = 3
@@ -162,9 +162,8 @@ def test_each_ac_policy_wraps_its_layers_and_gives_the_gradients_of_no_checkpoin
 
     def step(**keys) -> tuple[nn.Module, float, dict]:
         model = shard(tiny_llama(), **keys)
-        model.to_empty(device="cpu")
+        materialise(model, torch.device("cpu"))
         init_weights(model, seed=0, std=0.02)
-        init_buffers(model, torch.device("cpu"))
         ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()

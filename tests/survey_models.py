@@ -5,10 +5,11 @@
     python tests/survey_models.py --table OUT              # the table of every type surveyed into OUT
 
 Each type, in a process of its own (a timeout, and no state carried to the next): built tiny with
-Transformers' AutoModelForCausalLM.from_config (the matrix's sizes, tests/test_architectures.py), every bias
-non-zero, saved with a tokenizer of its own (tests/launch.py:save_release); fine-tuned 2 steps on 1 rank by
-pretrain_fsdp.py's main() (the start-up loss check on, the checkpoint's tokenizer by default); then its FULL
-export loaded by Transformers, which must load every key and give the run's own final fixed-batch loss.
+Transformers' AutoModelForCausalLM.from_config (the matrix's sizes, tests/test_architectures.py; an image-text
+release as AutoModelForImageTextToText, its towers small too), every bias non-zero, saved with a tokenizer of
+its own (tests/launch.py:save_release); fine-tuned 2 steps on 1 rank by pretrain_fsdp.py's main() (the
+start-up loss check on, the checkpoint's tokenizer by default); then its FULL export loaded by Transformers,
+which must load every key and give the run's own final fixed-batch loss.
 Each type ends with one outcome in OUT/<type>/result.json, and OUT/table.md counts them.
 """
 
@@ -130,12 +131,12 @@ def read_result(where: str) -> dict:
 
 def survey_one(out: str, model_type: str) -> None:
     import torch
-    from transformers import AutoModelForCausalLM
 
     sys.path.insert(0, HERE)
     from arch_matrix import COMMON, load_script, observe
+    from test_architectures import tiny_image_text_config
 
-    from common.architectures import check_causal_lm
+    from common.architectures import auto_class, check_causal_lm, is_image_text
     from common.config import ConfigError
     from launch import plant_trained_biases, read_metrics, save_release
 
@@ -144,12 +145,14 @@ def survey_one(out: str, model_type: str) -> None:
     try:
         torch.manual_seed(0)
         config = survey_config(model_type)
-        try:  # a multimodal model would be built at its towers' full sizes; the recipes refuse its config
+        if is_image_text(config) and "text_config" in config.sub_configs:  # its towers small too (not GIT's)
+            config = tiny_image_text_config(model_type)
+        try:
             check_causal_lm(config)  # before any weight (other configs are judged as their class saves them)
         except ConfigError as error:
             if "multimodal" in str(error):
                 return write_result(where, "one line", str(error))
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = auto_class(config).from_config(config, dtype=torch.float32)
         plant_trained_biases(model)
         with torch.no_grad():  # Transformers' own forward runs at these sizes
             model.eval()(
@@ -175,7 +178,7 @@ def survey_one(out: str, model_type: str) -> None:
     ready = next(r for r in records if r.get("event") == "model_ready")
     trained = next(r for r in records if r.get("event") == "final")["fixed_batch_loss"]
     export = os.path.join(run_dir, "export")
-    reloaded, info = AutoModelForCausalLM.from_pretrained(
+    reloaded, info = auto_class(model.config).from_pretrained(
         export, dtype=torch.float32, output_loading_info=True
     )
     reloaded.eval()

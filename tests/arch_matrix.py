@@ -184,6 +184,7 @@ def run_architecture(out: str, checkpoints: str, arch: str) -> None:
     if os.path.exists(os.path.join(source, "processor_config.json")):  # image-text records too
         shapes = os.path.join(os.path.dirname(checkpoints), "shapes")
         images = [f"data.dataset={shapes}/train.jsonl", f"data.eval_dataset={shapes}/held_out.jsonl"]
+        images += ["data.seq_len=128"]  # a Gemma 4 record is 85 tokens (64 an image); rows pad to the longest
         vision = ["model.freeze_vision_tower=false", "model.freeze_multi_modal_projector=false"]
         runs += [("images", "pretrain_fsdp", images), ("images_vision", "pretrain_fsdp", images + vision)]
         runs += [("images_lora", "pretrain_fsdp", [*images, "lora.r=4", "lora.alpha=8", vision[0]])]

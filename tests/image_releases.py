@@ -2,11 +2,12 @@
 records in TRL's format.
 
 - `add_processor(arch, config, path)`: the release's tokenizer with its image tokens, its config pointing at
-  them, and its processor (image processor, chat template) saved as AutoProcessor loads it: Gemma 3's, and
-  Qwen3.5's and Qwen3-VL's (both Qwen3VLProcessor). Mistral 3's (Pixtral's) needs torchvision, not here.
-- `processor_without_torchvision()`: Qwen3-VL's processor holds a video processor, which needs torchvision.
-  Without it, AutoProcessor builds Qwen3VLProcessor from the release's files with none (the recipes render no
-  video); everything else is Transformers' own (the PIL image processor, the tokenizer's image tokens).
+  them, and its processor (image processor, chat template) saved as AutoProcessor loads it: Gemma 3's, Gemma
+  4's, and Qwen3.5's and Qwen3-VL's (both Qwen3VLProcessor). Mistral 3's (Pixtral's) needs torchvision.
+- `processor_without_torchvision()`: Qwen3-VL's and Gemma 4's processors hold a video processor, which needs
+  torchvision. Without it, AutoProcessor builds them from the release's files with none (the recipes render
+  no video, nor audio: Gemma 4's feature extractor is left out too); everything else is Transformers' own
+  (the PIL image processor, the tokenizer's image tokens).
 - `write_shape_records(folder, count)`: the built-in shapes task's records as a JSONL file and PNG images.
 """
 
@@ -22,7 +23,7 @@ import transformers
 from common.data.image_records import EMBEDDED_IMAGE_TOKENS, shape_records
 from launch import release_tokenizer
 
-WITH_PROCESSOR = ["gemma3", "qwen3_5", "qwen3_vl"]
+WITH_PROCESSOR = ["gemma3", "gemma4", "qwen3_5", "qwen3_vl"]
 # The test releases' chat template with image parts: each {"type": "image"} becomes the release's placeholder.
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %}{{ m['content'] }}{% else %}"
@@ -33,13 +34,21 @@ TEMPLATE = (
 GEMMA3_TOKENS = EMBEDDED_IMAGE_TOKENS  # the names and strings its tokenizer_config.json gives
 QWEN_TOKENS = dict(image_token="<|image_pad|>", video_token="<|video_pad|>")
 QWEN_TOKENS |= dict(vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>")
+# Gemma 4's processor reads its audio and video tokens from the tokenizer too (and adds <|video|> if missing)
+GEMMA4_TOKENS = dict(
+    boi_token="<|image>", image_token="<|image|>", eoi_token="<image|>", video_token="<|video|>"
+)
+GEMMA4_TOKENS |= dict(boa_token="<|audio>", audio_token="<|audio|>", eoa_token="<audio|>")
+# Built from their parts where torchvision is missing: the processor class, and the parts it holds then
+WITHOUT_TORCHVISION = {"Qwen3VLProcessor": {"video_processor": None}}
+WITHOUT_TORCHVISION |= {"Gemma4Processor": {"video_processor": None, "feature_extractor": None}}
 
 
 def add_processor(arch: str, config, path) -> None:
     """The release's tokenizer with its image tokens, the config's ids for them, and its processor under
     `path`: 4 image tokens per 16x16 image (the vision tower's 4x4 patches, pooled or merged to 2x2)."""
     assert arch in WITH_PROCESSOR, arch
-    tokens = GEMMA3_TOKENS if arch == "gemma3" else QWEN_TOKENS
+    tokens = {"gemma3": GEMMA3_TOKENS, "gemma4": GEMMA4_TOKENS}.get(arch, QWEN_TOKENS)
     release_tokenizer().save_pretrained(path)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, extra_special_tokens=tokens)
     tokenizer.save_pretrained(path)
@@ -59,24 +68,32 @@ def add_processor(arch: str, config, path) -> None:
         return
     for name, token_id in ids.items():  # image_token_id, video_token_id, vision_start_token_id, ...
         setattr(config, f"{name}_id", token_id)
-    pixels = {"shortest_edge": 16 * 16, "longest_edge": 16 * 16}  # a 16x16 image as it is
     vision = config.vision_config
-    transformers.Qwen2VLImageProcessorPil(
-        size=pixels,
-        patch_size=vision.patch_size,
-        temporal_patch_size=vision.temporal_patch_size,
-        merge_size=vision.spatial_merge_size,
-    ).save_pretrained(path)
+    if arch == "gemma4":  # its fewest soft tokens an image (70): the image resized to 64 of them
+        transformers.Gemma4ImageProcessorPil(
+            patch_size=vision.patch_size, pooling_kernel_size=vision.pooling_kernel_size, max_soft_tokens=70
+        ).save_pretrained(path)
+        placeholder, processor = "<|image|>", "Gemma4Processor"
+    else:
+        pixels = {"shortest_edge": 16 * 16, "longest_edge": 16 * 16}  # a 16x16 image as it is
+        transformers.Qwen2VLImageProcessorPil(
+            size=pixels,
+            patch_size=vision.patch_size,
+            temporal_patch_size=vision.temporal_patch_size,
+            merge_size=vision.spatial_merge_size,
+        ).save_pretrained(path)
+        placeholder, processor = "<|vision_start|><|image_pad|><|vision_end|>", "Qwen3VLProcessor"
     with open(os.path.join(path, "chat_template.jinja"), "w") as f:
-        f.write(TEMPLATE.replace("IMAGE", "<|vision_start|><|image_pad|><|vision_end|>"))
+        f.write(TEMPLATE.replace("IMAGE", placeholder))
     with open(os.path.join(path, "processor_config.json"), "w") as f:  # as save_pretrained writes it
-        json.dump({"processor_class": "Qwen3VLProcessor"}, f)
+        json.dump({"processor_class": processor}, f)
 
 
 @contextlib.contextmanager
 def processor_without_torchvision():
-    """AutoProcessor as Transformers' own, except that without torchvision a Qwen3-VL processor is built
-    with no video processor (which needs it) from the release's image processor, tokenizer and template."""
+    """AutoProcessor as Transformers' own, except that without torchvision a Qwen3-VL or Gemma 4 processor is
+    built with no video processor (which needs it; nor Gemma 4's audio feature extractor) from the release's
+    image processor, tokenizer and template."""
     try:
         import torchvision  # noqa: F401
     except (ImportError, RuntimeError):  # not installed, or a build for another torch
@@ -94,18 +111,22 @@ def processor_without_torchvision():
         if not os.path.isfile(file):
             return load(path, *args, **kwargs)
         with open(file) as f:
-            if json.load(f)["processor_class"] != "Qwen3VLProcessor":
-                return load(path, *args, **kwargs)
+            name = json.load(f)["processor_class"]
+        if name not in WITHOUT_TORCHVISION:
+            return load(path, *args, **kwargs)
         with open(os.path.join(path, "chat_template.jinja")) as f:
             template = f.read()
         images = transformers.AutoImageProcessor.from_pretrained(path)  # the PIL one
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-        processor = transformers.Qwen3VLProcessor(images, tokenizer, None, chat_template=template)
+        processor = getattr(transformers, name)(
+            image_processor=images, tokenizer=tokenizer, chat_template=template, **WITHOUT_TORCHVISION[name]
+        )
         processor.get_attributes = lambda: ["image_processor", "tokenizer"]  # what save_pretrained writes
         return processor
 
     def check_argument(self, name, argument):
-        return None if name == "video_processor" and argument is None else check(self, name, argument)
+        left_out = name in ("video_processor", "feature_extractor") and argument is None
+        return None if left_out else check(self, name, argument)
 
     with (
         mock.patch.object(transformers.AutoProcessor, "from_pretrained", from_pretrained),

@@ -46,7 +46,8 @@ WITHOUT_TORCHVISION |= {"Gemma4Processor": {"video_processor": None, "feature_ex
 
 def add_processor(arch: str, config, path) -> None:
     """The release's tokenizer with its image tokens, the config's ids for them, and its processor under
-    `path`: 4 image tokens per 16x16 image (the vision tower's 4x4 patches, pooled or merged to 2x2)."""
+    `path`: 4 image tokens per 16x16 image (the vision tower's 4x4 patches, pooled or merged to 2x2);
+    Gemma 4's processor resizes it to its token budget first (64 tokens)."""
     assert arch in WITH_PROCESSOR, arch
     tokens = {"gemma3": GEMMA3_TOKENS, "gemma4": GEMMA4_TOKENS}.get(arch, QWEN_TOKENS)
     release_tokenizer().save_pretrained(path)

@@ -126,7 +126,7 @@ def processor_without_torchvision():
         return processor
 
     def check_argument(self, name, argument):
-        left_out = name in ("video_processor", "feature_extractor") and argument is None
+        left_out = argument is None and any(name in parts for parts in WITHOUT_TORCHVISION.values())
         return None if left_out else check(self, name, argument)
 
     with (

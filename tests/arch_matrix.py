@@ -15,7 +15,7 @@ does, it writes under `OUT/<arch>/<run>/`:
 - `eval-rank<r>.pt`: this rank's held-out batches of the first evaluation and its result.
 A release with a processor also trains on the image-text records in `CHECKPOINTS/../shapes/` (runs `images`,
 `images_vision` with its vision side trained, `images_lora`, `images_stream` streamed); without torchvision,
-Qwen3-VL's processor is built with no video processor (tests/image_releases.py).
+Qwen3-VL's and Gemma 4's processors are built with no video processor (tests/image_releases.py).
 Never imported by scripts/ or common/.
 """
 

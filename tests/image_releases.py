@@ -3,11 +3,12 @@ records in TRL's format.
 
 - `add_processor(arch, config, path)`: the release's tokenizer with its image tokens, its config pointing at
   them, and its processor (image processor, chat template) saved as AutoProcessor loads it: Gemma 3's, Gemma
-  4's, and Qwen3.5's and Qwen3-VL's (both Qwen3VLProcessor). Mistral 3's (Pixtral's) needs torchvision.
+  4's, Mistral 3's (PixtralProcessor), and Qwen3.5's and Qwen3-VL's (both Qwen3VLProcessor).
 - `processor_without_torchvision()`: Qwen3-VL's and Gemma 4's processors hold a video processor, which needs
   torchvision. Without it, AutoProcessor builds them from the release's files with none (the recipes render
   no video, nor audio: Gemma 4's feature extractor is left out too); everything else is Transformers' own
-  (the PIL image processor, the tokenizer's image tokens).
+  (the PIL image processor, the tokenizer's image tokens). Mistral 3's PixtralProcessor needs no torchvision,
+  but its module imports it (`pixtral_processor_class`).
 - `write_shape_records(folder, count)`: the built-in shapes task's records as a JSONL file and PNG images.
 """
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
+import types
 from unittest import mock
 
 import transformers
@@ -23,7 +26,7 @@ import transformers
 from common.data.image_records import EMBEDDED_IMAGE_TOKENS, shape_records
 from launch import release_tokenizer
 
-WITH_PROCESSOR = ["gemma3", "gemma4", "qwen3_5", "qwen3_vl"]
+WITH_PROCESSOR = ["gemma3", "gemma4", "mistral3", "qwen3_5", "qwen3_vl"]
 # The test releases' chat template with image parts: each {"type": "image"} becomes the release's placeholder.
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %}{{ m['content'] }}{% else %}"
@@ -39,6 +42,7 @@ GEMMA4_TOKENS = dict(
     boi_token="<|image>", image_token="<|image|>", eoi_token="<image|>", video_token="<|video|>"
 )
 GEMMA4_TOKENS |= dict(boa_token="<|audio>", audio_token="<|audio|>", eoa_token="<audio|>")
+PIXTRAL_TOKENS = dict(image_token="[IMG]", image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]")
 # Built from their parts where torchvision is missing: the processor class, and the parts it holds then
 WITHOUT_TORCHVISION = {"Qwen3VLProcessor": {"video_processor": None}}
 WITHOUT_TORCHVISION |= {"Gemma4Processor": {"video_processor": None, "feature_extractor": None}}
@@ -47,9 +51,12 @@ WITHOUT_TORCHVISION |= {"Gemma4Processor": {"video_processor": None, "feature_ex
 def add_processor(arch: str, config, path) -> None:
     """The release's tokenizer with its image tokens, the config's ids for them, and its processor under
     `path`: 4 image tokens per 16x16 image (the vision tower's 4x4 patches, pooled or merged to 2x2);
-    Gemma 4's processor resizes it to its token budget first (64 tokens)."""
+    Gemma 4's processor resizes it to its token budget first (64 tokens); Mistral 3's ends each row of 2
+    with [IMG_BREAK], the last with [IMG_END] (6 tokens)."""
     assert arch in WITH_PROCESSOR, arch
-    tokens = {"gemma3": GEMMA3_TOKENS, "gemma4": GEMMA4_TOKENS}.get(arch, QWEN_TOKENS)
+    tokens = {"gemma3": GEMMA3_TOKENS, "gemma4": GEMMA4_TOKENS, "mistral3": PIXTRAL_TOKENS}.get(
+        arch, QWEN_TOKENS
+    )
     release_tokenizer().save_pretrained(path)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, extra_special_tokens=tokens)
     tokenizer.save_pretrained(path)
@@ -65,6 +72,19 @@ def add_processor(arch: str, config, path) -> None:
         template = TEMPLATE.replace("IMAGE", "<start_of_image>")
         transformers.Gemma3Processor(
             images, tokenizer, chat_template=template, image_seq_length=4
+        ).save_pretrained(path)
+        return
+    if arch == "mistral3":
+        config.image_token_index = ids["image_token"]
+        images = transformers.PixtralImageProcessorPil(
+            size={"longest_edge": 16}, patch_size=config.vision_config.patch_size
+        )
+        pixtral_processor_class()(
+            images,
+            tokenizer,
+            patch_size=config.vision_config.patch_size,
+            spatial_merge_size=config.spatial_merge_size,
+            chat_template=TEMPLATE.replace("IMAGE", "[IMG]"),
         ).save_pretrained(path)
         return
     for name, token_id in ids.items():  # image_token_id, video_token_id, vision_start_token_id, ...
@@ -113,6 +133,8 @@ def processor_without_torchvision():
             return load(path, *args, **kwargs)
         with open(file) as f:
             name = json.load(f)["processor_class"]
+        if name == "PixtralProcessor":
+            return pixtral_processor_class().from_pretrained(path, *args, **kwargs)
         if name not in WITHOUT_TORCHVISION:
             return load(path, *args, **kwargs)
         with open(os.path.join(path, "chat_template.jinja")) as f:
@@ -134,6 +156,26 @@ def processor_without_torchvision():
         mock.patch.object(transformers.ProcessorMixin, "check_argument_for_proper_class", check_argument),
     ):
         yield
+
+
+def pixtral_processor_class() -> type:
+    """Transformers' PixtralProcessor, where torchvision is missing: it calls a size function of the
+    torchvision image processor's module, which imports torchvision's transforms at its top for that
+    processor alone. They are empty stand-ins while it is imported, and gone after."""
+    names = [
+        "torchvision",
+        "torchvision.transforms",
+        "torchvision.transforms.v2",
+        "torchvision.transforms.v2.functional",
+    ]
+    missing = [name for name in names if name not in sys.modules]
+    sys.modules.update({name: types.ModuleType(name) for name in missing})
+    try:
+        from transformers.models.pixtral.processing_pixtral import PixtralProcessor
+    finally:
+        for name in missing:
+            del sys.modules[name]
+    return PixtralProcessor
 
 
 def write_shape_records(folder, count: int, name: str = "train.jsonl", split: str = "train") -> str:

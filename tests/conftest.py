@@ -8,31 +8,31 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # The test files by their time in a full run, slowest first (the "seconds per test file" summary that every
-# run prints, 2026-12-07, 2 cores). pytest.ini's --no-loadscope-reorder keeps this order, so xdist starts the
-# long files first and no worker is left alone with one at the end (by default it orders files by their number
-# of tests). A file not listed runs after these.
+# run prints; the fresh-clone .ci/run of 99d4857, 2026-12-07, 2 cores). pytest.ini's --no-loadscope-reorder
+# keeps this order, so xdist starts the long files first and no worker is left alone with one at the end (by
+# default it orders files by their number of tests). A file not listed runs after these.
 SLOWEST_FIRST = [
     "test_architectures.py",
     "test_estimate_memory.py",
     "test_benchmarks.py",
-    "test_export.py",
-    "test_checkpoints_as_released.py",
     "test_checkpoint.py",
+    "test_export.py",
     "test_finetune.py",
+    "test_every_key.py",
     "test_lora.py",
     "test_moe.py",
-    "test_damaged.py",
-    "test_tp.py",
-    "test_every_key.py",
     "test_eval_cp.py",
+    "test_damaged.py",
     "test_estimate_at_scale.py",
+    "test_tp.py",
+    "test_checkpoints_as_released.py",
     "test_slurm.py",
-    "test_loss.py",
-    "test_parity.py",
     "test_xla.py",
     "test_fsdp_keys.py",
-    "test_data.py",
+    "test_parity.py",
+    "test_loss.py",
     "test_fsdp1.py",
+    "test_data.py",
     "test_quickstart.py",
     "test_config.py",
 ]

@@ -114,7 +114,8 @@ def add_processor(arch: str, config, path) -> None:
 def processor_without_torchvision():
     """AutoProcessor as Transformers' own, except that without torchvision a Qwen3-VL or Gemma 4 processor is
     built with no video processor (which needs it; nor Gemma 4's audio feature extractor) from the release's
-    image processor, tokenizer and template."""
+    image processor, tokenizer and template, and Mistral 3's PixtralProcessor comes from
+    pixtral_processor_class."""
     try:
         import torchvision  # noqa: F401
     except (ImportError, RuntimeError):  # not installed, or a build for another torch
